@@ -1,0 +1,304 @@
+"""Typed configuration: one dataclass schema per Hydra group, registered in Hydra's ConfigStore.
+
+This module is the single home of defaults and of cross-field validation. YAML files under `conf/` hold only the
+values that differ from these defaults. Keys reuse the names of the library they feed (PEFT's `r`, `alpha`,
+`target_modules`; bitsandbytes' `quant_type`, `double_quant`; Lightning's `max_steps`, `precision`).
+
+Below `exp.train.main`, code receives these dataclasses (via `OmegaConf.to_object`), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot work. The message is meant for a person: key, value, fix."""
+
+
+class ModelFamily(str, Enum):
+    gemma = "gemma"
+    gemma2 = "gemma2"
+    gemma3 = "gemma3"
+
+
+class QuantType(str, Enum):
+    nf4 = "nf4"
+    fp4 = "fp4"
+    int8 = "int8"
+    none = "none"
+
+
+class Accelerator(str, Enum):
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class Precision(str, Enum):
+    # Only modes that leave the 4-bit weights alone: a "*-true" precision would cast the quantized modules.
+    fp32 = "32-true"
+    bf16_mixed = "bf16-mixed"
+    fp16_mixed = "16-mixed"
+
+
+class Schedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class DataFormat(str, Enum):
+    synthetic = "synthetic"
+    alpaca = "alpaca"
+
+
+class LoggerKind(str, Enum):
+    wandb = "wandb"
+    csv = "csv"
+    none = "none"
+
+
+class WandbMode(str, Enum):
+    auto = "auto"  # online only with credentials and a reachable server, else offline; never prompts
+    online = "online"
+    offline = "offline"
+
+
+@dataclass
+class ModelConfig:
+    """Which Gemma to fine-tune and where its weights come from."""
+
+    name: str = "gemma_tiny"
+    family: ModelFamily = ModelFamily.gemma
+    # Hub id (`google/gemma-2b`) used when `path` is unset and `random_init` is false.
+    hub_id: str | None = None
+    # A local directory holding a transformers checkpoint; wins over `hub_id`.
+    path: str | None = None
+    # Build the real architecture from `arch` with random weights (saved once into the local cache, then loaded
+    # through the same 4-bit `from_pretrained` path as real weights). For offline tests and benchmarks.
+    random_init: bool = False
+    # Architecture fields passed to the family's transformers config class when `random_init` is true.
+    arch: dict[str, Any] = field(default_factory=dict)
+    # Gemma 2 needs attention logit softcapping, which plain SDPA lacks: its option file sets "eager".
+    attn_implementation: str = "sdpa"
+    # Gemma is native in transformers: remote code is never needed, so it stays off unless asked for.
+    trust_remote_code: bool = False
+    revision: str | None = None
+    seed: int = 0  # seed of the random weights when `random_init` is true
+
+
+@dataclass
+class QuantizationConfig:
+    """How the frozen base is stored (bitsandbytes). The compute dtype follows `hardware.precision`."""
+
+    quant_type: QuantType = QuantType.nf4
+    double_quant: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """PEFT LoRA settings; names as in `peft.LoraConfig`."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # Full copies trained next to the adapters. Gemma ties `lm_head` to the 256k-row embedding: naming either
+    # here trains (and saves) that whole matrix; a warning says how large.
+    modules_to_save: list[str] = field(default_factory=list)
+    bias: str = "none"
+    init_seed: int = 0  # seed of the adapter initialisation, separate from the data order
+
+
+@dataclass
+class HardwareConfig:
+    """Placement: where and how the steps run. Moving a run to another machine changes only this group."""
+
+    accelerator: Accelerator = Accelerator.cpu
+    devices: int = 1
+    num_nodes: int = 1
+    precision: Precision = Precision.fp32
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class DataConfig:
+    """The examples: where they come from and how they become token ids."""
+
+    format: DataFormat = DataFormat.synthetic
+    # A local JSON / JSONL file (or a directory of them) for file-based formats; relative paths are resolved
+    # against the directory `exp.train` was launched from.
+    path: str | None = None
+    # Alpaca column names, mappable for files that use other names.
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    max_seq_len: int = 128
+    # Held-out split: a fraction (< 1) or a number of examples (>= 1), drawn with `seed`.
+    val_size: float = 0.1
+    train_on_prompt: bool = False
+    # Size of the generated default dataset (`format=synthetic`).
+    num_examples: int = 4000
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    """The algorithm: steps, optimiser, schedule, batch. Independent of the machine (see `hardware`)."""
+
+    max_steps: int = 300
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: Schedule = Schedule.constant
+    # Examples per optimiser step across all devices; accumulation = global / (micro x devices x nodes).
+    global_batch_size: int = 8
+    max_grad_norm: float = 1.0
+    val_every_n_steps: int = 50
+    # Validation batches per evaluation (null: the whole held-out split).
+    limit_val_batches: int | None = None
+    checkpoint_every_n_steps: int = 100
+    log_every_n_steps: int = 5
+    seed: int = 0
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking. A CSV of every logged metric is written for `wandb` and `csv`."""
+
+    kind: LoggerKind = LoggerKind.wandb
+    project: str = "exp"
+    entity: str | None = None
+    mode: WandbMode = WandbMode.auto
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    log_adapter: bool = False  # upload the final adapter as a W&B artifact
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Name of the experiment (set by `experiment=` files); becomes a tag and part of the run name.
+    experiment_name: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = _validate(self)
+        if problems:
+            raise ConfigError(
+                "Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        per_step = self.hardware.micro_batch_size * self.hardware.devices * self.hardware.num_nodes
+        return self.trainer.global_batch_size // per_step
+
+
+def _validate(cfg: TrainConfig) -> list[str]:
+    """Collect every cross-field problem, so one run reports them all at once."""
+    p: list[str] = []
+    m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
+    if not (m.path or m.hub_id or m.random_init):
+        p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
+    if m.random_init and not m.arch:
+        p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
+    if lo.r <= 0:
+        p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
+    if lo.alpha <= 0:
+        p.append(f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16")
+    if not 0.0 <= lo.dropout < 1.0:
+        p.append(f"lora.dropout={lo.dropout}: must be in [0, 1), e.g. lora.dropout=0.05")
+    if not lo.target_modules:
+        p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
+    if lo.bias not in ("none", "all", "lora_only"):
+        p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
+    if hw.devices < 1 or hw.num_nodes < 1:
+        p.append(f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: both must be >= 1")
+    if hw.micro_batch_size < 1:
+        p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+    if hw.accelerator == Accelerator.cpu and hw.precision != Precision.fp32:
+        p.append(
+            f"hardware.precision={hw.precision.value} on the CPU: mixed precision on CPU is slow and not supported "
+            "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
+        )
+    if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
+        p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
+    per_step = hw.micro_batch_size * hw.devices * hw.num_nodes
+    if t.global_batch_size < 1 or (hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1)):
+        p.append(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of hardware.micro_batch_size "
+            f"({hw.micro_batch_size}) x devices ({hw.devices}) x nodes ({hw.num_nodes}) = {per_step}: "
+            f"gradient accumulation is derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
+        )
+    if t.max_steps < 1:
+        p.append(f"trainer.max_steps={t.max_steps}: must be >= 1")
+    if t.learning_rate <= 0:
+        p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. 2e-4")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        p.append(
+            f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})"
+        )
+    if t.max_grad_norm < 0:
+        p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
+    if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:
+        p.append("trainer.val_every_n_steps, checkpoint_every_n_steps and log_every_n_steps must be >= 1")
+    if d.format != DataFormat.synthetic and not d.path:
+        p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory>")
+    if d.max_seq_len < 8:
+        p.append(f"data.max_seq_len={d.max_seq_len}: too short to hold a prompt and a response; use >= 8")
+    if d.val_size <= 0:
+        p.append(f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a count >= 1")
+    return p
+
+
+def register_configs() -> None:
+    """Register the root schema; the YAML files under conf/ are validated against it at composition."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+__all__ = [
+    "MISSING",
+    "Accelerator",
+    "ConfigError",
+    "DataConfig",
+    "DataFormat",
+    "HardwareConfig",
+    "LoggerConfig",
+    "LoggerKind",
+    "LoraConfig",
+    "ModelConfig",
+    "ModelFamily",
+    "Precision",
+    "QuantType",
+    "QuantizationConfig",
+    "Schedule",
+    "TrainConfig",
+    "TrainerConfig",
+    "WandbMode",
+    "register_configs",
+]
+
+
+def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
+    """Make relative data and model paths absolute against the directory the user launched from."""
+    for holder in (cfg.data, cfg.model):
+        if holder.path and not Path(holder.path).expanduser().is_absolute():
+            holder.path = str((launch_dir / holder.path).resolve())
+    return cfg

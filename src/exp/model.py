@@ -1,0 +1,218 @@
+"""Build the trainable model: a (4-bit) Gemma loaded once on a given device, wrapped with PEFT LoRA."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from exp.config import ConfigError, LoraConfig, ModelConfig, Precision, QuantizationConfig, QuantType, TrainConfig
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPE = {
+    Precision.fp32: torch.float32,
+    Precision.bf16_mixed: torch.bfloat16,
+    Precision.fp16_mixed: torch.float16,
+}
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    return COMPUTE_DTYPE[precision]
+
+
+def resolve_checkpoint(cfg: ModelConfig) -> str:
+    """Where `from_pretrained` reads from: a local path, a random-weight build in the cache, or a hub id."""
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").exists():
+            raise ConfigError(
+                f"model.path={cfg.path}: no config.json there. Point model.path at a directory written by "
+                "save_pretrained (or drop model.path to use model.hub_id)."
+            )
+        return str(path)
+    if cfg.random_init:
+        from exp.local_models import build_random_checkpoint
+
+        return str(build_random_checkpoint(cfg.family, dict(cfg.arch), cfg.seed))
+    assert cfg.hub_id is not None  # guaranteed by TrainConfig validation
+    return cfg.hub_id
+
+
+def build_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = resolve_checkpoint(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise ConfigError(_hub_hint(cfg, source, e)) from e
+    if tok.pad_token_id is None:  # Gemma defines <pad>; a foreign tokenizer may not
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_quantization_config(cfg: QuantizationConfig, dtype: torch.dtype):
+    """bitsandbytes settings for `from_pretrained`; None for plain (unquantized) LoRA."""
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quant_type == QuantType.none:
+        return None
+    if cfg.quant_type == QuantType.int8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant_type.value,
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _hub_hint(cfg: ModelConfig, source: str, err: Exception) -> str:
+    return (
+        f"model={cfg.name}: could not load '{source}' ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        "Without network access the hub weights must already be in the local Hugging Face cache; otherwise "
+        "download them elsewhere and pass model.path=<dir>, or build the architecture with random weights "
+        "using model.random_init=true."
+    )
+
+
+def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """Load the frozen base on `device`, quantized as configured. A 4-bit model cannot move after this."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.model.trust_remote_code:
+        log.warning(
+            "model.trust_remote_code=true: code from '%s' will run in this process. Gemma is native in "
+            "transformers and never needs it.", cfg.model.hub_id or cfg.model.path
+        )
+    dtype = compute_dtype(cfg.hardware.precision)
+    source = resolve_checkpoint(cfg.model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            quantization_config=build_quantization_config(cfg.quantization, dtype),
+            # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the
+            # device (the widely copied {0: ""} has them swapped).
+            device_map={"": device},
+            dtype=dtype,
+            attn_implementation=cfg.model.attn_implementation,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except OSError as e:
+        raise ConfigError(_hub_hint(cfg.model, source, e)) from e
+    _disable_cpu_inference_repacking(model)
+    return model
+
+
+def _disable_cpu_inference_repacking(model: nn.Module) -> None:
+    """Keep bitsandbytes' CPU fast path from breaking training.
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a Linear4bit's weight into an inference-only layout the
+    first time it runs in eval mode (a validation pass), and from then on its forward has no autograd: gradients
+    stop flowing through every 4-bit layer, so the adapters below it never train. We evaluate during training,
+    so the repacking must stay off.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def linear_module_names(model: nn.Module) -> set[str]:
+    """Leaf names (`q_proj`, `down_proj`, ...) of the linear layers LoRA can target."""
+    names = set()
+    for full_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(full_name.rsplit(".", 1)[-1])
+    return names
+
+
+def check_lora_targets(model: nn.Module, cfg: LoraConfig) -> None:
+    """Every target name must match a module; PEFT alone only fails when none of them do."""
+    available = linear_module_names(model)
+    unknown = [t for t in cfg.target_modules if t not in available]
+    if unknown:
+        raise ConfigError(
+            f"lora.target_modules={list(cfg.target_modules)}: {unknown} match no linear layer of this model. "
+            f"Available: {sorted(available)}"
+        )
+    for name in cfg.modules_to_save:
+        if name in ("lm_head", "embed_tokens"):
+            emb = model.get_input_embeddings().weight
+            size_mb = emb.numel() * 4 / 2**20  # trained in fp32 and saved with the adapter
+            log.warning(
+                "lora.modules_to_save contains '%s': Gemma ties it to the %d x %d embedding, so the adapter "
+                "trains and saves a full copy (~%.0f MB in fp32). Drop it unless you change the vocabulary.",
+                name, emb.shape[0], emb.shape[1], size_mb,
+            )
+
+
+def build_lora_config(cfg: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        modules_to_save=list(cfg.modules_to_save) or None,
+        bias=cfg.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """The trainable model: base loaded on `device` + LoRA adapters, in train mode, checkpointing as configured."""
+    from peft import get_peft_model
+
+    device = torch.device(device)
+    model = load_base_model(cfg, device)
+    check_lora_targets(model, cfg.lora)
+    if cfg.hardware.gradient_checkpointing:
+        # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # The adapter initialisation has its own seed, so the same lora.init_seed gives the same adapters whatever
+    # else consumed random numbers before (data generation, the random-weight build).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.lora.init_seed)
+        model = get_peft_model(model, build_lora_config(cfg.lora))
+    # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
+    model.train()
+    return model
+
+
+def count_parameters(model: nn.Module) -> dict[str, Any]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable": trainable, "total": total}
+
+
+def quiet_third_party_logs() -> None:
+    """Keep the console to what a user acts on.
+
+    bitsandbytes logs the absence of an optional CPU kernel package; Lightning installs a second console handler
+    (every line would print twice next to Hydra's) and advertises a cloud logger.
+    """
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lightning_log = logging.getLogger(name)
+        if logging.getLogger().handlers:  # someone (Hydra) already prints and files the root logger
+            for handler in list(lightning_log.handlers):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                    lightning_log.removeHandler(handler)
+            lightning_log.propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")

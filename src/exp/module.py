@@ -1,0 +1,148 @@
+"""The LightningModule: a 4-bit Gemma + LoRA, loaded in `configure_model` on the device the strategy chose."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from exp.config import Schedule, TrainConfig
+from exp.data import IGNORE_INDEX
+from exp.model import build_model
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) -> float:
+    """Multiplier of the peak learning rate at optimiser step `step`: linear warmup, then the schedule."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == Schedule.constant:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == Schedule.linear:
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed loss, token hits and exact matches over loss-bearing (response) tokens of a batch.
+
+    Sums, not means, so that metrics over a whole split weight every token (and every example) equally.
+    Exact match is teacher-forced: every response token (and `<eos>`) is the arg-max, which is exactly when
+    greedy decoding reproduces the reference answer.
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE_INDEX
+    loss_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    hits = (shift_logits.argmax(-1) == shift_labels) & mask
+    exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)
+    return {
+        "loss_sum": loss_sum.detach(),
+        "tokens": mask.sum(),
+        "hits": hits.sum(),
+        "exact": exact.sum(),
+        "examples": mask.any(dim=1).sum(),
+    }
+
+
+class QLoRAModule(L.LightningModule):
+    """Fine-tunes the LoRA adapters of a frozen (4-bit) causal LM.
+
+    The model is built in `configure_model`, which Lightning calls once the strategy has picked the device, so the
+    quantized weights are created where they will be used and never moved. Checkpoints hold only the trainable
+    (adapter) tensors, not the frozen base.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model: torch.nn.Module | None = None
+        # Checkpoints omit the frozen base, so loading them must not demand every key.
+        self.strict_loading = False
+        self.initial_val: dict[str, float] | None = None
+        self.last_val: dict[str, float] = {}
+        self._val_sums: dict[str, torch.Tensor] = {}
+        self._step_started: float | None = None
+        self._step_tokens = 0
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning may call this again (fit after validate): load once
+            return
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        self.model = build_model(self.cfg, device)
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(**batch)
+        self.log("train/loss", out.loss.detach(), prog_bar=True)
+        return out.loss
+
+    def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        self._step_tokens += int(batch["attention_mask"].sum())
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches:
+            return  # mid-accumulation: the optimiser step is not over yet
+        elapsed = time.perf_counter() - self._step_started
+        # Real (non-padding) input tokens per second over the optimiser step just finished.
+        self.log("train/tokens_per_s", self._step_tokens / elapsed, prog_bar=True)
+        self._step_started, self._step_tokens = None, 0
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(**batch)
+        for k, v in response_metrics(out.logits, batch["labels"]).items():
+            self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
+        if not sums:
+            return
+        metrics = {
+            "val/loss": float(sums["loss_sum"] / sums["tokens"]),
+            "val/token_accuracy": float(sums["hits"] / sums["tokens"]),
+            "val/exact_match": float(sums["exact"] / sums["examples"]),
+        }
+        self.last_val = metrics
+        if self.trainer.sanity_checking:
+            # The sanity check runs on the untrained adapters: record it as the step-0 evaluation. Lightning
+            # drops metrics logged during the sanity check, so they go to the loggers directly.
+            self.initial_val = metrics
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=0)
+            return
+        for k, v in metrics.items():
+            self.log(k, v, prog_bar=k == "val/loss", sync_dist=False)
+
+    def on_train_start(self) -> None:
+        # Lightning restores the modes modules had before validation; make sure training mode (dropout,
+        # gradient checkpointing) is what the adapters train in, whatever ran before.
+        self.model.train()
+
+    def configure_optimizers(self):
+        t = self.cfg.trainer
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, t.warmup_steps, t.max_steps, t.lr_schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}

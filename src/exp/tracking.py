@@ -1,0 +1,114 @@
+"""Experiment tracking: the CSV record, W&B (offline unless it can really go online), secret redaction."""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from exp.config import ConfigError, LoggerConfig, LoggerKind, WandbMode
+
+log = logging.getLogger(__name__)
+
+SECRET_NAME = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+REDACTED = "***redacted***"
+
+
+def redact(value: Any) -> Any:
+    """A copy of a nested dict/list with the values of secret-looking keys replaced."""
+    if isinstance(value, dict):
+        return {k: REDACTED if SECRET_NAME.search(str(k)) and v else redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
+
+
+def _wandb_host() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+def _has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(urlparse(_wandb_host()).hostname or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def _reachable(url: str, timeout: float = 2.0) -> bool:
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_wandb_mode(cfg: LoggerConfig) -> str:
+    """`online` only with credentials and a server that answers within 2 s; never a login prompt."""
+    if cfg.mode == WandbMode.offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+        return "offline"
+    online_ok = _has_wandb_credentials() and _reachable(_wandb_host())
+    if cfg.mode == WandbMode.online and not online_ok:
+        raise ConfigError(
+            "logger.mode=online: W&B needs an API key (WANDB_API_KEY or `wandb login`) and a reachable server "
+            f"({_wandb_host()}). Set the key, or use logger.mode=auto to fall back to offline and `wandb sync` later."
+        )
+    return "online" if online_ok else "offline"
+
+
+def build_loggers(cfg: LoggerConfig, output_dir: Path, run_name: str, config: dict[str, Any]) -> list:
+    """Lightning loggers for `logger.kind`; all files stay inside `output_dir`."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    if cfg.kind == LoggerKind.none:
+        return []
+    loggers: list = [CSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
+    if cfg.kind == LoggerKind.wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = resolve_wandb_mode(cfg)
+        os.environ.setdefault("WANDB_SILENT", "true")  # its banner would interleave with the progress bar
+        loggers.append(
+            WandbLogger(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=run_name,
+                group=cfg.group,
+                tags=list(cfg.tags) or None,
+                save_dir=str(output_dir),
+                mode=mode,
+                config=redact(config),
+                log_model=False,
+                anonymous="never",
+            )
+        )
+        log.info("W&B: %s run in %s", mode, output_dir / "wandb")
+    return loggers
+
+
+def finish_loggers(loggers: list, ok: bool) -> None:
+    """Close the W&B run even when training failed, so the next run in this process starts clean."""
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            if wandb.run is not None:
+                wandb.finish(exit_code=0 if ok else 1)
+
+
+def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> None:
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            artifact = wandb.Artifact(name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model")
+            artifact.add_dir(str(adapter_dir))
+            logger.experiment.log_artifact(artifact)

@@ -1,0 +1,148 @@
+"""`python -m exp.train [overrides]`: fine-tune the LoRA adapters of a 4-bit Gemma.
+
+`main` is the only Hydra-aware code: it turns the composed config into typed dataclasses and calls
+`train(cfg, output_dir)`. `run([...overrides])` does the same from Python (a notebook, a test).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from exp.config import ConfigError, TrainConfig, register_configs
+from exp.config import resolve_paths
+from exp.overrides import check_cli_overrides
+from exp.run_dir import claim_run_dir, new_run_dir, write_json, write_status
+
+log = logging.getLogger("exp.train")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+register_configs()
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    adapter_dir: Path
+    initial_val: dict[str, float]
+    final_val: dict[str, float]
+    chance_token_accuracy: float
+    module: object  # the trained QLoRAModule (for notebooks and tests)
+
+
+def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
+    """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter) under `output_dir`."""
+    import lightning as L
+
+    from exp.data import build_datamodule
+    from exp.model import build_tokenizer, quiet_third_party_logs
+    from exp.module import QLoRAModule
+    from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact
+    from exp.trainer import build_trainer
+
+    quiet_third_party_logs()
+    started = time.time()
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
+    write_status(output_dir, "running")
+    loggers: list = []
+    ok = False
+    try:
+        L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+        tokenizer = build_tokenizer(cfg.model)
+        datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
+        module = QLoRAModule(cfg)
+        run_name = "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
+        loggers = build_loggers(cfg.logger, output_dir, run_name, config)
+        trainer = build_trainer(cfg, output_dir, loggers)
+        trainer.fit(module, datamodule=datamodule)
+        trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
+        adapter_dir = output_dir / "adapter"
+        result = TrainResult(
+            output_dir, adapter_dir, module.initial_val or {}, module.last_val,
+            datamodule.majority_token_accuracy(), module,
+        )
+        if trainer.is_global_zero:
+            module.model.save_pretrained(adapter_dir)  # PEFT format: adapter_config.json + safetensors
+            tokenizer.save_pretrained(adapter_dir)
+            summary = {
+                "steps": trainer.global_step, "seconds": round(time.time() - started, 1),
+                "initial_val": result.initial_val, "final_val": result.final_val,
+                "chance_token_accuracy": result.chance_token_accuracy, "data": datamodule.stats,
+            }
+            write_json(output_dir / "summary.json", summary)
+            print_summary(summary, output_dir)
+            if cfg.logger.log_adapter:
+                log_adapter_artifact(loggers, adapter_dir, run_name)
+        ok = True
+        return result
+    except BaseException as e:
+        write_status(output_dir, "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        finish_loggers(loggers, ok)
+        if ok:
+            write_status(output_dir, "completed")
+
+
+def print_summary(s: dict, output_dir: Path) -> None:
+    first, last = s["initial_val"], s["final_val"]
+    drop = 100 * (1 - last["val/loss"] / first["val/loss"]) if first else float("nan")
+    print(
+        f"\nexp: {s['steps']} steps in {s['seconds']:.0f} s -> {output_dir}\n"
+        f"  val loss        {first.get('val/loss', float('nan')):.3f} -> {last['val/loss']:.3f} ({drop:.0f}% lower)\n"
+        f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
+        f"{s['chance_token_accuracy']:.3f})\n"
+        f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
+        f"  adapter         {output_dir / 'adapter'}",
+        flush=True,
+    )
+
+
+def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
+    cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
+    return resolve_paths(cfg, launch_dir)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(dcfg: DictConfig) -> float:
+    output_dir = claim_run_dir(Path(HydraConfig.get().runtime.output_dir))
+    try:
+        cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
+        result = train(cfg, output_dir)
+    except ConfigError as e:
+        write_status(output_dir, "failed", error=str(e))
+        print(f"exp: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
+    """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        dcfg = compose(config_name="train", overrides=list(overrides or []))
+    cfg = to_typed(dcfg, Path.cwd())
+    out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
+    return train(cfg, out)
+
+
+def cli() -> None:
+    problems = check_cli_overrides(sys.argv[1:])
+    if problems:
+        print("exp: error: " + "\n".join(problems), file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
+if __name__ == "__main__":
+    cli()
