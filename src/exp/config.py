@@ -40,11 +40,9 @@ class Accelerator(str, Enum):
     gpu = "gpu"
 
 
-class Precision(str, Enum):
-    # Only modes that leave the 4-bit weights alone: a "*-true" precision would cast the quantized modules.
-    fp32 = "32-true"
-    bf16_mixed = "bf16-mixed"
-    fp16_mixed = "16-mixed"
+# Lightning precision strings (kept as strings: OmegaConf matches enums by member name, and these names hold
+# dashes). Only modes that leave the 4-bit weights alone: a "*-true" low precision would cast the quantized modules.
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
 class Schedule(str, Enum):
@@ -123,7 +121,7 @@ class HardwareConfig:
     accelerator: Accelerator = Accelerator.cpu
     devices: int = 1
     num_nodes: int = 1
-    precision: Precision = Precision.fp32
+    precision: str = "32-true"  # one of PRECISIONS
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
     num_workers: int = 0
@@ -200,9 +198,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         problems = _validate(self)
         if problems:
-            raise ConfigError(
-                "Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems)
-            )
+            raise ConfigError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
     @property
     def accumulate_grad_batches(self) -> int:
@@ -215,30 +211,43 @@ def _validate(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
     m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
     if not (m.path or m.hub_id or m.random_init):
-        p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
+        p.append(
+            f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true"
+        )
     if m.random_init and not m.arch:
         p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
     if lo.r <= 0:
         p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
     if lo.alpha <= 0:
-        p.append(f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16")
+        p.append(
+            f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16"
+        )
     if not 0.0 <= lo.dropout < 1.0:
         p.append(f"lora.dropout={lo.dropout}: must be in [0, 1), e.g. lora.dropout=0.05")
     if not lo.target_modules:
-        p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
+        p.append(
+            "lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]"
+        )
     if lo.bias not in ("none", "all", "lora_only"):
         p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
     if hw.devices < 1 or hw.num_nodes < 1:
         p.append(f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: both must be >= 1")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
-    if hw.accelerator == Accelerator.cpu and hw.precision != Precision.fp32:
+    if hw.precision not in PRECISIONS:
         p.append(
-            f"hardware.precision={hw.precision.value} on the CPU: mixed precision on CPU is slow and not supported "
+            f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "
+            "precision would cast the 4-bit weights; use the '-mixed' form, e.g. hardware.precision=bf16-mixed)"
+        )
+    elif hw.accelerator == Accelerator.cpu and hw.precision != "32-true":
+        p.append(
+            f"hardware.precision={hw.precision} on the CPU: mixed precision on CPU is slow and not supported "
             "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
         )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
-        p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
+        p.append(
+            "quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4"
+        )
     per_step = hw.micro_batch_size * hw.devices * hw.num_nodes
     if t.global_batch_size < 1 or (hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1)):
         p.append(
@@ -285,7 +294,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "ModelFamily",
-    "Precision",
+    "PRECISIONS",
     "QuantType",
     "QuantizationConfig",
     "Schedule",

@@ -75,9 +75,11 @@ def build_tokenizer(out_dir: Path):
 def _config_class(family: ModelFamily):
     from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
 
-    return {ModelFamily.gemma: GemmaConfig, ModelFamily.gemma2: Gemma2Config, ModelFamily.gemma3: Gemma3TextConfig}[
-        family
-    ]
+    return {
+        ModelFamily.gemma: GemmaConfig,
+        ModelFamily.gemma2: Gemma2Config,
+        ModelFamily.gemma3: Gemma3TextConfig,
+    }[family]
 
 
 def _model_class(family: ModelFamily):

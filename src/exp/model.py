@@ -10,18 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from exp.config import ConfigError, LoraConfig, ModelConfig, Precision, QuantizationConfig, QuantType, TrainConfig
+from exp.config import ConfigError, LoraConfig, ModelConfig, QuantizationConfig, QuantType, TrainConfig
 
 log = logging.getLogger(__name__)
 
-COMPUTE_DTYPE = {
-    Precision.fp32: torch.float32,
-    Precision.bf16_mixed: torch.bfloat16,
-    Precision.fp16_mixed: torch.float16,
-}
+COMPUTE_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def compute_dtype(precision: Precision) -> torch.dtype:
+def compute_dtype(precision: str) -> torch.dtype:
     return COMPUTE_DTYPE[precision]
 
 
@@ -48,7 +44,9 @@ def build_tokenizer(cfg: ModelConfig):
 
     source = resolve_checkpoint(cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
     except OSError as e:
         raise ConfigError(_hub_hint(cfg, source, e)) from e
     if tok.pad_token_id is None:  # Gemma defines <pad>; a foreign tokenizer may not
@@ -88,7 +86,8 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     if cfg.model.trust_remote_code:
         log.warning(
             "model.trust_remote_code=true: code from '%s' will run in this process. Gemma is native in "
-            "transformers and never needs it.", cfg.model.hub_id or cfg.model.path
+            "transformers and never needs it.",
+            cfg.model.hub_id or cfg.model.path,
         )
     dtype = compute_dtype(cfg.hardware.precision)
     source = resolve_checkpoint(cfg.model)
@@ -152,7 +151,10 @@ def check_lora_targets(model: nn.Module, cfg: LoraConfig) -> None:
             log.warning(
                 "lora.modules_to_save contains '%s': Gemma ties it to the %d x %d embedding, so the adapter "
                 "trains and saves a full copy (~%.0f MB in fp32). Drop it unless you change the vocabulary.",
-                name, emb.shape[0], emb.shape[1], size_mb,
+                name,
+                emb.shape[0],
+                emb.shape[1],
+                size_mb,
             )
 
 
@@ -177,6 +179,9 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     device = torch.device(device)
     model = load_base_model(cfg, device)
     check_lora_targets(model, cfg.lora)
+    model.config.use_cache = (
+        False  # a generation KV cache is dead weight in training (and clashes with checkpointing)
+    )
     if cfg.hardware.gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -210,9 +215,13 @@ def quiet_third_party_logs() -> None:
         lightning_log = logging.getLogger(name)
         if logging.getLogger().handlers:  # someone (Hydra) already prints and files the root logger
             for handler in list(lightning_log.handlers):
-                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(
+                    handler, logging.FileHandler
+                ):
                     lightning_log.removeHandler(handler)
             lightning_log.propagate = True
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda r: "litlogger" not in r.getMessage()
+    )
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")

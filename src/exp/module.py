@@ -38,8 +38,10 @@ def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, to
     shift_labels = labels[:, 1:]
     mask = shift_labels != IGNORE_INDEX
     loss_sum = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
     hits = (shift_logits.argmax(-1) == shift_labels) & mask
     exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)

@@ -35,7 +35,14 @@ def check_cli_overrides(args: list[str]) -> list[str]:
             fields = _fields(node)
             if part not in fields:
                 where = ".".join(parts[:depth]) or "the root config"
-                close = difflib.get_close_matches(part, fields, n=1)
+                # Short field names (lora.r) are far from their spelled-out guesses (rank) by edit ratio: a
+                # field that starts the typed word counts as close too.
+                close = (
+                    difflib.get_close_matches(part, fields, n=1)
+                    or sorted(
+                        (f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True
+                    )[:1]
+                )
                 hint = f" Did you mean '{'.'.join(parts[:depth] + close)}'?" if close else ""
                 problems.append(
                     f"'{arg}': '{part}' is not a field of {where}.{hint} "

@@ -13,9 +13,30 @@ import random
 
 # Single-token words once the local tokenizer is trained (see exp.local_models): short, common, distinct.
 WORDS: tuple[str, ...] = (
-    "red", "blue", "green", "black", "white", "gold", "cat", "dog", "fox", "owl",
-    "bee", "ant", "sun", "moon", "star", "rain", "snow", "wind", "tree", "leaf",
-    "rock", "sand", "lake", "hill",
+    "red",
+    "blue",
+    "green",
+    "black",
+    "white",
+    "gold",
+    "cat",
+    "dog",
+    "fox",
+    "owl",
+    "bee",
+    "ant",
+    "sun",
+    "moon",
+    "star",
+    "rain",
+    "snow",
+    "wind",
+    "tree",
+    "leaf",
+    "rock",
+    "sand",
+    "lake",
+    "hill",
 )
 INSTRUCTION = "Repeat the words exactly."
 MIN_WORDS, MAX_WORDS = 3, 6

@@ -16,8 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from exp.config import ConfigError, TrainConfig, register_configs
-from exp.config import resolve_paths
+from exp.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.overrides import check_cli_overrides
 from exp.run_dir import claim_run_dir, new_run_dir, write_json, write_status
 
@@ -56,25 +55,36 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
     try:
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
         tokenizer = build_tokenizer(cfg.model)
-        datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
+        datamodule = build_datamodule(
+            cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers
+        )
         module = QLoRAModule(cfg)
         run_name = "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
         loggers = build_loggers(cfg.logger, output_dir, run_name, config)
         trainer = build_trainer(cfg, output_dir, loggers)
         trainer.fit(module, datamodule=datamodule)
-        trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
+        trainer.validate(
+            module, datamodule=datamodule, verbose=False
+        )  # the final evaluation, at the last step
         adapter_dir = output_dir / "adapter"
         result = TrainResult(
-            output_dir, adapter_dir, module.initial_val or {}, module.last_val,
-            datamodule.majority_token_accuracy(), module,
+            output_dir,
+            adapter_dir,
+            module.initial_val or {},
+            module.last_val,
+            datamodule.majority_token_accuracy(),
+            module,
         )
         if trainer.is_global_zero:
             module.model.save_pretrained(adapter_dir)  # PEFT format: adapter_config.json + safetensors
             tokenizer.save_pretrained(adapter_dir)
             summary = {
-                "steps": trainer.global_step, "seconds": round(time.time() - started, 1),
-                "initial_val": result.initial_val, "final_val": result.final_val,
-                "chance_token_accuracy": result.chance_token_accuracy, "data": datamodule.stats,
+                "steps": trainer.global_step,
+                "seconds": round(time.time() - started, 1),
+                "initial_val": result.initial_val,
+                "final_val": result.final_val,
+                "chance_token_accuracy": result.chance_token_accuracy,
+                "data": datamodule.stats,
             }
             write_json(output_dir / "summary.json", summary)
             print_summary(summary, output_dir)

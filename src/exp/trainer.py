@@ -25,7 +25,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Traine
         accelerator=hw.accelerator.value,
         devices=hw.devices,
         num_nodes=hw.num_nodes,
-        precision=hw.precision.value,
+        precision=hw.precision,
         max_steps=t.max_steps,
         max_epochs=-1,  # max_steps decides; the loader simply restarts (reshuffled) at each epoch end
         accumulate_grad_batches=accumulate,

@@ -1,0 +1,53 @@
+"""Shared test setup: a private model cache, GPU tests skipped without CUDA, and one short tiny run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The cache holds the random-weight tiny model + tokenizer the project builds; a per-run cache proves the
+    # build works from nothing (as on a fresh machine) and keeps tests off the user's ~/.cache.
+    if "EXP_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["EXP_CACHE"] = tempfile.mkdtemp(prefix="exp-test-cache-")
+    os.environ.pop("WANDB_API_KEY", None)  # tests never talk to a W&B server
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.
+SHORT = [
+    "trainer.max_steps=30",
+    "trainer.warmup_steps=0",
+    "trainer.val_every_n_steps=15",
+    "trainer.checkpoint_every_n_steps=15",
+    "trainer.log_every_n_steps=1",
+    "data.num_examples=400",
+    "logger=csv",
+]
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory: pytest.TempPathFactory):
+    """One 30-step run of the default config on the real NF4 CPU path, shared by the tests that inspect it."""
+    from exp.train import run
+
+    out = tmp_path_factory.mktemp("short_run") / "run"
+    return run(SHORT, output_dir=out)
