@@ -56,9 +56,7 @@ def test_short_run_learns_and_writes_run_dir(short_run):
 
 
 def test_checkpoints_hold_only_adapter_weights(short_run):
-    ckpt = torch.load(
-        short_run.output_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
-    )
+    ckpt = torch.load(short_run.output_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     keys = list(ckpt["state_dict"])
     assert keys and all("lora_" in k for k in keys), keys[:5]
     assert ckpt["optimizer_states"] and ckpt["global_step"] == 30
@@ -169,9 +167,7 @@ def test_one_framework_step_matches_hand_written_loop(tmp_path):
     torch.manual_seed(cfg.lora.init_seed)
     model = get_peft_model(
         model,
-        LoraConfig(
-            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-        ),
+        LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.0)
@@ -187,9 +183,7 @@ def test_one_framework_step_matches_hand_written_loop(tmp_path):
     ours = {k: v for k, v in module.model.state_dict().items() if "lora_" in k}
     ref = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert ours.keys() == ref.keys() and ours
-    assert all(
-        v.abs().sum() > 0 for k, v in ref.items() if "lora_B" in k
-    )  # B starts at zero: the steps moved it
+    assert all(v.abs().sum() > 0 for k, v in ref.items() if "lora_B" in k)  # B starts at zero: the steps moved it
     for k in ref:
         torch.testing.assert_close(ours[k], ref[k], atol=1e-6, rtol=1e-5)
 

@@ -211,23 +211,17 @@ def _validate(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
     m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
     if not (m.path or m.hub_id or m.random_init):
-        p.append(
-            f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true"
-        )
+        p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
     if m.random_init and not m.arch:
         p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
     if lo.r <= 0:
         p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
     if lo.alpha <= 0:
-        p.append(
-            f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16"
-        )
+        p.append(f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16")
     if not 0.0 <= lo.dropout < 1.0:
         p.append(f"lora.dropout={lo.dropout}: must be in [0, 1), e.g. lora.dropout=0.05")
     if not lo.target_modules:
-        p.append(
-            "lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]"
-        )
+        p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
     if lo.bias not in ("none", "all", "lora_only"):
         p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
     if hw.devices < 1 or hw.num_nodes < 1:
@@ -245,9 +239,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
             "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
         )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
-        p.append(
-            "quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4"
-        )
+        p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
     per_step = hw.micro_batch_size * hw.devices * hw.num_nodes
     if t.global_batch_size < 1 or (hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1)):
         p.append(
@@ -260,9 +252,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if t.learning_rate <= 0:
         p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. 2e-4")
     if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
-        p.append(
-            f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})"
-        )
+        p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})")
     if t.max_grad_norm < 0:
         p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
     if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:

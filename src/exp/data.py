@@ -45,9 +45,7 @@ def load_examples(cfg: DataConfig) -> list[dict[str, str]]:
     try:
         ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets raises several types for unreadable JSON
-        raise ConfigError(
-            f"data.path={cfg.path}: could not be read as JSON / JSONL ({type(e).__name__}: {e})"
-        ) from e
+        raise ConfigError(f"data.path={cfg.path}: could not be read as JSON / JSONL ({type(e).__name__}: {e})") from e
     fields = {"instruction": cfg.instruction_field, "input": cfg.input_field, "output": cfg.output_field}
     for role in ("instruction", "output"):
         if fields[role] not in ds.column_names:
@@ -59,23 +57,14 @@ def load_examples(cfg: DataConfig) -> list[dict[str, str]]:
     for i, r in enumerate(ds):
         ins, out = r.get(fields["instruction"]), r.get(fields["output"])
         inp = r.get(fields["input"]) or ""
-        if (
-            not isinstance(ins, str)
-            or not isinstance(out, str)
-            or not out.strip()
-            or not isinstance(inp, str)
-        ):
+        if not isinstance(ins, str) or not isinstance(out, str) or not out.strip() or not isinstance(inp, str):
             bad.append(i)
             continue
         rows.append({"instruction": ins, "input": inp, "output": out})
     if bad:
-        log.warning(
-            "data: skipped %d row(s) with a missing or non-string field (rows %s)", len(bad), bad[:10]
-        )
+        log.warning("data: skipped %d row(s) with a missing or non-string field (rows %s)", len(bad), bad[:10])
     if not rows:
-        raise ConfigError(
-            f"data.path={cfg.path}: no usable rows (every row lacks a string instruction/output)"
-        )
+        raise ConfigError(f"data.path={cfg.path}: no usable rows (every row lacks a string instruction/output)")
     return rows
 
 
@@ -159,9 +148,7 @@ class InstructionDataModule(L.LightningDataModule):
     def _encode(self, rows: list[dict[str, str]]) -> tuple[list[Encoded], dict[str, int]]:
         kept, truncated, dropped = [], 0, 0
         for r in rows:
-            enc, was_truncated = encode_example(
-                self.tokenizer, r, self.cfg.max_seq_len, self.cfg.train_on_prompt
-            )
+            enc, was_truncated = encode_example(self.tokenizer, r, self.cfg.max_seq_len, self.cfg.train_on_prompt)
             truncated += was_truncated
             if enc is None:
                 dropped += 1

@@ -25,7 +25,8 @@ TOKENIZER_VOCAB = 512
 # Gemma's chat template (user / model turns); `model` is Gemma's name for the assistant role.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
     "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )

@@ -44,9 +44,7 @@ def build_tokenizer(cfg: ModelConfig):
 
     source = resolve_checkpoint(cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(
-            source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-        )
+        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except OSError as e:
         raise ConfigError(_hub_hint(cfg, source, e)) from e
     if tok.pad_token_id is None:  # Gemma defines <pad>; a foreign tokenizer may not
@@ -179,9 +177,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     device = torch.device(device)
     model = load_base_model(cfg, device)
     check_lora_targets(model, cfg.lora)
-    model.config.use_cache = (
-        False  # a generation KV cache is dead weight in training (and clashes with checkpointing)
-    )
+    model.config.use_cache = False  # a generation KV cache is dead weight in training (and clashes with checkpointing)
     if cfg.hardware.gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -215,13 +211,9 @@ def quiet_third_party_logs() -> None:
         lightning_log = logging.getLogger(name)
         if logging.getLogger().handlers:  # someone (Hydra) already prints and files the root logger
             for handler in list(lightning_log.handlers):
-                if isinstance(handler, logging.StreamHandler) and not isinstance(
-                    handler, logging.FileHandler
-                ):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                     lightning_log.removeHandler(handler)
             lightning_log.propagate = True
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda r: "litlogger" not in r.getMessage()
-    )
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")

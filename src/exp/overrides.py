@@ -39,14 +39,13 @@ def check_cli_overrides(args: list[str]) -> list[str]:
                 # field that starts the typed word counts as close too.
                 close = (
                     difflib.get_close_matches(part, fields, n=1)
-                    or sorted(
-                        (f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True
-                    )[:1]
+                    or sorted((f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True)[
+                        :1
+                    ]
                 )
                 hint = f" Did you mean '{'.'.join(parts[:depth] + close)}'?" if close else ""
                 problems.append(
-                    f"'{arg}': '{part}' is not a field of {where}.{hint} "
-                    f"Allowed: {', '.join(sorted(fields))}."
+                    f"'{arg}': '{part}' is not a field of {where}.{hint} Allowed: {', '.join(sorted(fields))}."
                 )
                 break
             node = fields[part]

@@ -109,8 +109,6 @@ def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> Non
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
-            artifact = wandb.Artifact(
-                name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model"
-            )
+            artifact = wandb.Artifact(name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model")
             artifact.add_dir(str(adapter_dir))
             logger.experiment.log_artifact(artifact)

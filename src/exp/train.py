@@ -55,17 +55,13 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
     try:
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
         tokenizer = build_tokenizer(cfg.model)
-        datamodule = build_datamodule(
-            cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers
-        )
+        datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
         module = QLoRAModule(cfg)
         run_name = "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
         loggers = build_loggers(cfg.logger, output_dir, run_name, config)
         trainer = build_trainer(cfg, output_dir, loggers)
         trainer.fit(module, datamodule=datamodule)
-        trainer.validate(
-            module, datamodule=datamodule, verbose=False
-        )  # the final evaluation, at the last step
+        trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
         adapter_dir = output_dir / "adapter"
         result = TrainResult(
             output_dir,
