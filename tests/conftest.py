@@ -44,6 +44,18 @@ SHORT = [
 ]
 
 
+def compose_typed(overrides: list[str]):
+    """The typed config the CLI would build from these overrides (paths resolved against the repo root)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from exp.train import CONF_DIR, to_typed
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_typed(compose("train", overrides=overrides), ROOT)
+
+
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory: pytest.TempPathFactory):
     """One 30-step run of the default config on the real NF4 CPU path, shared by the tests that inspect it."""

@@ -7,25 +7,15 @@ import json
 
 import pytest
 import torch
-from conftest import SHORT
+from conftest import SHORT, compose_typed
 
 from exp.config import ConfigError
 from exp.data import collate, encode_example
 from exp.model import build_model, build_tokenizer, resolve_checkpoint
 from exp.synthetic import generate_examples
-from exp.train import run, to_typed
+from exp.train import run
 
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from exp.train import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_typed(hydra_compose("train", overrides=overrides), CONF_DIR.parent)
+compose = compose_typed
 
 
 def fixed_batches(cfg, n_batches: int, batch_size: int) -> list[dict[str, torch.Tensor]]:

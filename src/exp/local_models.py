@@ -122,13 +122,19 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         torch.manual_seed(seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
+        # Drawing billions of random weights takes minutes on a CPU and seconds on a GPU. (The values differ
+        # between the two; the cache key is per machine, so each machine is self-consistent.)
+        build_device = "cuda" if dtype == torch.bfloat16 and torch.cuda.is_available() else "cpu"
         try:
-            model = _model_class(family)(config)
+            with torch.device(build_device):
+                model = _model_class(family)(config)
         finally:
             torch.set_default_dtype(previous)
         model.save_pretrained(tmp, max_shard_size="5GB")
         (tmp / "exp_build.json").write_text(key + "\n")
         del model
+        if build_device == "cuda":
+            torch.cuda.empty_cache()
         try:
             tmp.rename(target)
         except OSError:  # another process finished first: keep its copy

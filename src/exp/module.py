@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any
 
@@ -73,6 +74,7 @@ class QLoRAModule(L.LightningModule):
         self._val_sums: dict[str, torch.Tensor] = {}
         self._step_started: float | None = None
         self._step_tokens = 0
+        self.step_tokens_per_s: list[float] = []
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this again (fit after validate): load once
@@ -98,8 +100,21 @@ class QLoRAModule(L.LightningModule):
             return  # mid-accumulation: the optimiser step is not over yet
         elapsed = time.perf_counter() - self._step_started
         # Real (non-padding) input tokens per second over the optimiser step just finished.
-        self.log("train/tokens_per_s", self._step_tokens / elapsed, prog_bar=True)
+        tokens_per_s = self._step_tokens / elapsed
+        self.step_tokens_per_s.append(tokens_per_s)
+        self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+        if self.device.type == "cuda":
+            self.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
         self._step_started, self._step_tokens = None, 0
+
+    def throughput_summary(self) -> dict[str, float | None]:
+        """Median tokens/s over the steps after the first two (warm-up: allocator, kernels) and peak memory."""
+        timed = self.step_tokens_per_s[2:] or self.step_tokens_per_s
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return {
+            "tokens_per_s_median": round(statistics.median(timed), 1) if timed else None,
+            "peak_memory_gib": round(peak, 2) if peak is not None else None,
+        }
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}

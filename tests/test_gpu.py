@@ -1,0 +1,45 @@
+"""GPU path (skipped without CUDA): the real CLI on a Gemma-2B-shaped model, 4-bit weights on the GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gemma_2b_trains_on_one_gpu(tmp_path):
+    overrides = [
+        "model=gemma_2b",
+        "model.random_init=true",
+        "hardware=gpu",
+        "trainer.max_steps=20",
+        "trainer.warmup_steps=0",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run([sys.executable, "-m", "exp.train", *overrides], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["device"].startswith("cuda")
+    assert math.isfinite(summary["final_val"]["val/loss"])
+    assert summary["peak_memory_gib"] > 1.0 and summary["tokens_per_s_median"] > 0
+
+
+def test_quantized_weights_and_adapters_live_on_the_strategy_device():
+    from conftest import compose_typed
+
+    from exp.model import build_model
+
+    cfg = compose_typed(["model=gemma_2b", "model.random_init=true", "hardware=gpu", "logger=csv"])
+    model = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q_proj.base_layer).__name__ == "Linear4bit"
+    assert q_proj.base_layer.weight.device.type == "cuda"
+    assert q_proj.lora_A["default"].weight.device.type == "cuda"
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
