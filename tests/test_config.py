@@ -186,13 +186,14 @@ def test_data_logger_trainer_options():
     assert typed(["data=alpaca", "data.path=x.jsonl"]).data.format is DataFormat.alpaca
     assert typed(["logger=csv"]).logger.kind is LoggerKind.csv
     assert typed(["logger=none"]).logger.kind is LoggerKind.none
-    assert typed(["trainer=default"]).trainer.max_steps == 300
+    assert typed(["trainer=default"]).trainer.max_steps == 1000
     assert typed(["trainer=tiny"]).trainer.max_steps == 3000
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes(name: str):
-    cfg = typed([f"experiment={name}"])
+    # A file-based data format needs a path; any placeholder composes (nothing is read here).
+    cfg = typed([f"experiment={name}", "data.path=placeholder.jsonl"])
     raw = OmegaConf.load(CONF_DIR / "experiment" / f"{name}.yaml")
     header = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
     if "@package _global_" in header:
@@ -204,6 +205,17 @@ def test_every_experiment_composes(name: str):
                 _assert_file_values_applied(getattr(cfg, key), val, key)
             else:
                 assert _plain(getattr(cfg, key)) == val, key
+
+
+def test_guanaco_7b_is_the_reference_recipe():
+    cfg = typed(["experiment=guanaco_7b", "data.path=oasst1.jsonl"])
+    assert (cfg.model.name, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == ("gemma_7b", 64, 16, 0.1)
+    assert "lm_head" not in cfg.lora.target_modules and len(cfg.lora.target_modules) == 7
+    assert cfg.accumulate_grad_batches == 16 and cfg.trainer.max_steps == 1875
+    assert (cfg.trainer.learning_rate, cfg.trainer.max_grad_norm) == (2e-4, 0.3)
+    assert cfg.trainer.optimizer.value == "paged_adamw_32bit" and cfg.hardware.gradient_checkpointing
+    with pytest.raises(ConfigError, match="data.path"):
+        typed(["experiment=guanaco_7b"])  # the recipe's data must be named
 
 
 # --- 2. defaults ----------------------------------------------------------------------------------

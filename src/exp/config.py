@@ -51,6 +51,12 @@ class Schedule(str, Enum):
     cosine = "cosine"
 
 
+class Optimizer(str, Enum):
+    adamw = "adamw"  # torch.optim.AdamW
+    paged_adamw_32bit = "paged_adamw_32bit"  # bitsandbytes: optimizer state paged to CPU memory under pressure (GPU)
+    paged_adamw_8bit = "paged_adamw_8bit"  # the same with 8-bit state (GPU)
+
+
 class DataFormat(str, Enum):
     synthetic = "synthetic"
     alpaca = "alpaca"
@@ -152,7 +158,8 @@ class DataConfig:
 class TrainerConfig:
     """The algorithm: steps, optimiser, schedule, batch. Independent of the machine (see `hardware`)."""
 
-    max_steps: int = 300
+    max_steps: int = 1000
+    optimizer: Optimizer = Optimizer.adamw
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -247,6 +254,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"({hw.micro_batch_size}) x devices ({hw.devices}) x nodes ({hw.num_nodes}) = {per_step}: "
             f"gradient accumulation is derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
         )
+    if t.optimizer != Optimizer.adamw and hw.accelerator == Accelerator.cpu:
+        p.append(
+            f"trainer.optimizer={t.optimizer.value} pages optimizer state between GPU and CPU memory and needs a GPU: "
+            "use trainer.optimizer=adamw on the CPU"
+        )
     if t.max_steps < 1:
         p.append(f"trainer.max_steps={t.max_steps}: must be >= 1")
     if t.learning_rate <= 0:
@@ -284,6 +296,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "ModelFamily",
+    "Optimizer",
     "PRECISIONS",
     "QuantType",
     "QuantizationConfig",

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from exp.config import Schedule, TrainConfig
+from exp.config import Optimizer, Schedule, TrainConfig, TrainerConfig
 from exp.data import IGNORE_INDEX
 from exp.model import build_model
 
@@ -53,6 +53,19 @@ def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, to
         "exact": exact.sum(),
         "examples": mask.any(dim=1).sum(),
     }
+
+
+def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    if t.optimizer == Optimizer.adamw:
+        return torch.optim.AdamW(params, **kwargs)
+    import bitsandbytes as bnb
+
+    paged = {
+        Optimizer.paged_adamw_32bit: bnb.optim.PagedAdamW32bit,
+        Optimizer.paged_adamw_8bit: bnb.optim.PagedAdamW8bit,
+    }
+    return paged[t.optimizer](params, **kwargs)
 
 
 class QLoRAModule(L.LightningModule):
@@ -152,9 +165,7 @@ class QLoRAModule(L.LightningModule):
     def configure_optimizers(self):
         t = self.cfg.trainer
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
-        )
+        optimizer = build_optimizer(t, params)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, t.warmup_steps, t.max_steps, t.lr_schedule)
         )

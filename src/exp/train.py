@@ -80,6 +80,8 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
                 "initial_val": result.initial_val,
                 "final_val": result.final_val,
                 "chance_token_accuracy": result.chance_token_accuracy,
+                **module.throughput_summary(),
+                "device": str(module.device),
                 "data": datamodule.stats,
             }
             write_json(output_dir / "summary.json", summary)
@@ -106,7 +108,9 @@ def print_summary(s: dict, output_dir: Path) -> None:
         f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
         f"{s['chance_token_accuracy']:.3f})\n"
         f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
-        f"  adapter         {output_dir / 'adapter'}",
+        f"  throughput      {s['tokens_per_s_median']} tokens/s (median step)"
+        + (f", peak memory {s['peak_memory_gib']} GiB" if s.get("peak_memory_gib") else "")
+        + f"\n  adapter         {output_dir / 'adapter'}",
         flush=True,
     )
 
