@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from conftest import SHORT
 
 from exp.train import run
 
@@ -28,18 +29,23 @@ SHORT_DEFAULT = [
 # which prints the new values (and skips the comparison); paste them over the three values below.
 # fmt: off
 EXPECTED_TRAIN_LOSSES = [
-    6.371577, 6.200153, 6.602647, 6.715973, 6.601108,
-    6.527182, 6.188504, 6.588384, 6.261523, 6.115481,
-    6.067122, 6.157538, 6.031387, 5.924257, 5.849763,
-    6.134202, 5.477109, 5.277966, 5.327182, 5.536162,
-    5.399524, 5.070924, 5.167578, 4.890633, 5.015153,
-    5.137997, 5.303299, 5.071888, 5.258102, 4.981265,
-    4.992741, 5.109459, 4.769068, 4.856840, 4.840749,
-    4.820270, 5.064059, 4.899320, 5.104987, 4.901261,
+    6.371577, 6.200115, 6.602280, 6.717098, 6.601006,
+    6.525849, 6.194755, 6.592467, 6.262362, 6.113551,
+    6.068417, 6.161462, 6.035511, 5.912450, 5.843432,
+    6.128274, 5.463032, 5.270074, 5.327240, 5.527036,
+    5.400420, 5.062985, 5.158884, 4.880109, 4.996758,
+    5.142326, 5.299896, 5.064327, 5.257636, 4.977735,
+    4.972677, 5.094595, 4.765378, 4.847741, 4.841966,
+    4.819765, 5.050252, 4.907767, 5.115196, 4.889189,
 ]
 # fmt: on
 EXPECTED_INITIAL_VAL_LOSS = 6.665258
-EXPECTED_FINAL_VAL_LOSS = 4.929112
+EXPECTED_FINAL_VAL_LOSS = 4.925673
+
+
+def train_losses(result) -> list[float]:
+    rows = list(csv.DictReader((result.output_dir / "csv" / "metrics.csv").open()))
+    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
 
 
 def test_default_run_reproduces_recorded_losses(tmp_path):
@@ -70,3 +76,12 @@ def test_default_run_reproduces_recorded_losses(tmp_path):
     # The 40 steps (warmup, then the tiny trainer's 5e-3 cosine) already lower the loss: the recording is of a
     # run that learns, not of a broken one.
     assert final < initial
+
+
+def test_first_run_on_a_fresh_cache_matches_later_runs(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    overrides = SHORT + ["trainer.max_steps=4", "trainer.val_every_n_steps=4", "trainer.checkpoint_every_n_steps=4"]
+    monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))  # empty: the first run builds the model
+    cold = run(overrides, output_dir=tmp_path / "cold")
+    warm = run(overrides, output_dir=tmp_path / "warm")
+    assert train_losses(cold) == train_losses(warm)
+    assert cold.final_val == warm.final_val

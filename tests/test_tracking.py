@@ -204,11 +204,6 @@ def test_redact_leaves_the_real_training_config_alone():
     assert redact(config) == config
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG exp/tracking.py SECRET_NAME: the bare 'token' alternative matches any key containing 'token' "
-    "(tokenizer, max_new_tokens, tokens_per_s), so harmless settings are hidden from the tracker",
-)
 @pytest.mark.parametrize("key", ["tokenizer", "tokenizer_name", "max_new_tokens", "tokens_per_s", "max_tokens"])
 def test_redact_keeps_innocent_token_count_keys(key):
     assert redact({key: 128}) == {key: 128}

@@ -38,11 +38,21 @@ class QuantType(str, Enum):
 class Accelerator(str, Enum):
     cpu = "cpu"
     gpu = "gpu"
+    auto = "auto"  # resolved by the preflight from what the machine has
+
+
+class Strategy(str, Enum):
+    single_device = "single_device"  # one process, one device
+    ddp = "ddp"  # one process and one full (4-bit) replica per device, gradients all-reduced
+    fsdp = "fsdp"  # one process per device, weights sharded (4-bit storage in the compute dtype so it can shard)
+    model_parallel = "model_parallel"  # one process, layers spread over all its devices (model larger than one GPU)
+    auto = "auto"  # resolved by the preflight: the best of the above for the machine and the model
 
 
 # Lightning precision strings (kept as strings: OmegaConf matches enums by member name, and these names hold
 # dashes). Only modes that leave the 4-bit weights alone: a "*-true" low precision would cast the quantized modules.
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+# "auto": bf16-mixed on GPUs that support it (compute capability >= 8.0), 32-true on the CPU (preflight decides).
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
 
 
 class Schedule(str, Enum):
@@ -125,8 +135,11 @@ class HardwareConfig:
     """Placement: where and how the steps run. Moving a run to another machine changes only this group."""
 
     accelerator: Accelerator = Accelerator.cpu
+    # Devices per node; -1: every device this process can see (resolved by the preflight). Never a GPU index:
+    # which GPUs is decided by CUDA_VISIBLE_DEVICES / the scheduler, and each process uses its strategy's device.
     devices: int = 1
     num_nodes: int = 1
+    strategy: Strategy = Strategy.single_device
     precision: str = "32-true"  # one of PRECISIONS
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
@@ -208,9 +221,19 @@ class TrainConfig:
             raise ConfigError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
     @property
+    def data_parallel_size(self) -> int:
+        """Processes that each take their own micro-batch: model parallelism spans devices with one process."""
+        return data_parallel_size(self.hardware)
+
+    @property
     def accumulate_grad_batches(self) -> int:
-        per_step = self.hardware.micro_batch_size * self.hardware.devices * self.hardware.num_nodes
-        return self.trainer.global_batch_size // per_step
+        return self.trainer.global_batch_size // (self.hardware.micro_batch_size * self.data_parallel_size)
+
+
+def data_parallel_size(hw: HardwareConfig) -> int:
+    if hw.strategy in (Strategy.ddp, Strategy.fsdp):
+        return max(hw.devices, 1) * hw.num_nodes
+    return hw.num_nodes
 
 
 def _validate(cfg: TrainConfig) -> list[str]:
@@ -231,8 +254,20 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
     if lo.bias not in ("none", "all", "lora_only"):
         p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
-    if hw.devices < 1 or hw.num_nodes < 1:
-        p.append(f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: both must be >= 1")
+    if hw.devices == 0 or hw.devices < -1 or hw.num_nodes < 1:
+        p.append(
+            f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: devices must be >= 1 (or -1 for "
+            "every visible device) and num_nodes >= 1"
+        )
+    if hw.strategy == Strategy.single_device and hw.devices not in (1, -1):
+        p.append(
+            f"hardware.devices={hw.devices} with hardware.strategy=single_device: one process uses one device; for "
+            "several use hardware=ddp (a replica per GPU), hardware=fsdp (sharded) or hardware=model_parallel"
+        )
+    if hw.strategy == Strategy.model_parallel and hw.num_nodes != 1:
+        p.append("hardware.strategy=model_parallel spans the GPUs of one machine: set hardware.num_nodes=1")
+    if hw.accelerator == Accelerator.cpu and hw.strategy in (Strategy.fsdp, Strategy.model_parallel):
+        p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
     if hw.precision not in PRECISIONS:
@@ -240,20 +275,14 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "
             "precision would cast the 4-bit weights; use the '-mixed' form, e.g. hardware.precision=bf16-mixed)"
         )
-    elif hw.accelerator == Accelerator.cpu and hw.precision != "32-true":
+    elif hw.accelerator == Accelerator.cpu and hw.precision not in ("32-true", "auto"):
         p.append(
             f"hardware.precision={hw.precision} on the CPU: mixed precision on CPU is slow and not supported "
             "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
         )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
         p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
-    per_step = hw.micro_batch_size * hw.devices * hw.num_nodes
-    if t.global_batch_size < 1 or (hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1)):
-        p.append(
-            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of hardware.micro_batch_size "
-            f"({hw.micro_batch_size}) x devices ({hw.devices}) x nodes ({hw.num_nodes}) = {per_step}: "
-            f"gradient accumulation is derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
-        )
+    p += batch_problems(hw, t)
     if t.optimizer != Optimizer.adamw and hw.accelerator == Accelerator.cpu:
         p.append(
             f"trainer.optimizer={t.optimizer.value} pages optimizer state between GPU and CPU memory and needs a GPU: "
@@ -276,6 +305,21 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if d.val_size <= 0:
         p.append(f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a count >= 1")
     return p
+
+
+def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
+    """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
+    if hw.devices == -1 and hw.strategy in (Strategy.ddp, Strategy.fsdp, Strategy.auto):
+        return []
+    replicas = data_parallel_size(hw)
+    per_step = hw.micro_batch_size * replicas
+    if t.global_batch_size >= 1 and hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1) == 0:
+        return []
+    return [
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of hardware.micro_batch_size "
+        f"({hw.micro_batch_size}) x data-parallel processes ({replicas}) = {per_step}: gradient accumulation is "
+        f"derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
+    ]
 
 
 def register_configs() -> None:
@@ -301,6 +345,7 @@ __all__ = [
     "QuantType",
     "QuantizationConfig",
     "Schedule",
+    "Strategy",
     "TrainConfig",
     "TrainerConfig",
     "WandbMode",

@@ -119,14 +119,18 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         )
         # Large shapes are stored in bf16 (as Google ships them); the tiny default in fp32 for exact CPU tests.
         dtype = torch.bfloat16 if n_params_guess > 50_000_000 else torch.float32
-        torch.manual_seed(seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         # Drawing billions of random weights takes minutes on a CPU and seconds on a GPU. (The values differ
         # between the two; the cache key is per machine, so each machine is self-consistent.)
         build_device = "cuda" if dtype == torch.bfloat16 and torch.cuda.is_available() else "cpu"
         try:
-            with torch.device(build_device):
+            # A private RNG stream: the build must not shift the caller's random state (dropout masks, data order),
+            # or a run that builds the cache would differ from the same run with the cache already filled.
+            with torch.random.fork_rng(devices=[]), torch.device(build_device):
+                torch.manual_seed(seed)
+                if build_device == "cuda":
+                    torch.cuda.manual_seed(seed)
                 model = _model_class(family)(config)
         finally:
             torch.set_default_dtype(previous)

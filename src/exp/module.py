@@ -171,6 +171,22 @@ class QLoRAModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def check_replicas_agree(self) -> list[list[float]] | None:
+        """Data-parallel replicas must hold identical adapters: gather a fingerprint of each and compare.
+
+        Returns the per-rank fingerprints (sum and sum of squares of the adapter weights); None with one process or
+        with FSDP (which holds one sharded copy). A mismatch means the ranks trained different models.
+        """
+        if self.trainer.world_size == 1 or self.cfg.hardware.strategy.value == "fsdp":
+            return None
+        weights = [p.detach().double().flatten() for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat(weights)
+        mine = torch.stack([flat.sum(), (flat * flat).sum()])
+        prints = self.trainer.strategy.all_gather(mine).reshape(-1, 2).tolist()
+        if any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for row in prints for a, b in zip(row, prints[0], strict=True)):
+            raise RuntimeError(f"data-parallel replicas hold different adapters (fingerprints per rank: {prints})")
+        return prints
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}

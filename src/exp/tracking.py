@@ -15,7 +15,12 @@ from exp.config import ConfigError, LoggerConfig, LoggerKind, WandbMode
 
 log = logging.getLogger(__name__)
 
-SECRET_NAME = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+# A secret-looking key: one of these words as a whole segment of the name (hf_token, WANDB_API_KEY, db_password),
+# so that `tokenizer`, `max_new_tokens` or `tokens_per_s` are left alone.
+SECRET_NAME = re.compile(
+    r"(^|[_\-.])((api|access|private|secret)[_-]?key|token|secret|password|passwd|credentials?)($|[_\-.])",
+    re.IGNORECASE,
+)
 REDACTED = "***redacted***"
 
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -32,11 +33,15 @@ class TrainResult:
     initial_val: dict[str, float]
     final_val: dict[str, float]
     chance_token_accuracy: float
-    module: object  # the trained QLoRAModule (for notebooks and tests)
+    module: object | None  # the trained QLoRAModule (None when workers trained in other processes)
 
 
-def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
-    """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter) under `output_dir`."""
+def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> TrainResult:
+    """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter) under `output_dir`.
+
+    `cfg` is expected to have passed the preflight (hardware resolved). With `manage_run_dir=False` (the workers
+    of a multi-process run) the launching process owns config.yaml and status.json.
+    """
     import lightning as L
 
     from exp.data import build_datamodule
@@ -47,9 +52,10 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
 
     quiet_third_party_logs()
     started = time.time()
-    config = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
-    write_status(output_dir, "running")
+    config = config_dict(cfg)
+    if manage_run_dir:
+        write_run_config(cfg, output_dir)
+        write_status(output_dir, "running")
     loggers: list = []
     ok = False
     try:
@@ -71,8 +77,9 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
             datamodule.majority_token_accuracy(),
             module,
         )
+        replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
+        save_adapter(module, trainer, adapter_dir)
         if trainer.is_global_zero:
-            module.model.save_pretrained(adapter_dir)  # PEFT format: adapter_config.json + safetensors
             tokenizer.save_pretrained(adapter_dir)
             summary = {
                 "steps": trainer.global_step,
@@ -82,6 +89,8 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
                 "chance_token_accuracy": result.chance_token_accuracy,
                 **module.throughput_summary(),
                 "device": str(module.device),
+                "world_size": trainer.world_size,
+                "replica_adapter_checksums": replicas_agree,
                 "data": datamodule.stats,
             }
             write_json(output_dir / "summary.json", summary)
@@ -91,12 +100,47 @@ def train(cfg: TrainConfig, output_dir: Path) -> TrainResult:
         ok = True
         return result
     except BaseException as e:
-        write_status(output_dir, "failed", error=f"{type(e).__name__}: {e}")
+        if manage_run_dir:
+            write_status(output_dir, "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
         finish_loggers(loggers, ok)
-        if ok:
+        if ok and manage_run_dir:
             write_status(output_dir, "completed")
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def write_run_config(cfg: TrainConfig, output_dir: Path) -> None:
+    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(config_dict(cfg)))
+
+
+def load_run_config(run_dir: Path) -> TrainConfig:
+    """The typed config a run recorded (what its workers, and a resumed run, train with)."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+def save_adapter(module, trainer, adapter_dir: Path) -> None:
+    """Write the adapter in PEFT's format from rank 0; under FSDP every rank takes part in gathering it first."""
+    from exp.config import Strategy
+
+    state_dict = None
+    if module.cfg.hardware.strategy == Strategy.fsdp:
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(
+            trainer.strategy.model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        ):
+            full = trainer.strategy.model.state_dict()
+        state_dict = {k.removeprefix("model."): v for k, v in full.items() if "lora_" in k}
+    if trainer.is_global_zero:
+        module.model.save_pretrained(adapter_dir, state_dict=state_dict)  # adapter_config.json + safetensors
 
 
 def print_summary(s: dict, output_dir: Path) -> None:
@@ -120,12 +164,48 @@ def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
     return resolve_paths(cfg, launch_dir)
 
 
+def execute(cfg: TrainConfig, output_dir: Path) -> TrainResult:
+    """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
+    from exp.launch import launch_workers, needs_launch
+    from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+
+    check = run_preflight(cfg)
+    for note in check.notes:
+        log.info("preflight: %s", note)
+    if not check.ok:
+        message = format_findings(check)
+        write_status(output_dir, "failed", error=message)
+        print(message, file=sys.stderr)
+        sys.exit(PREFLIGHT_EXIT)
+    cfg = check.cfg
+    if not needs_launch(cfg):
+        return train(cfg, output_dir)
+    write_run_config(cfg, output_dir)
+    write_status(output_dir, "running")
+    log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
+    rc = launch_workers(cfg, output_dir)
+    summary_path = output_dir / "summary.json"
+    if rc != 0 or not summary_path.exists():
+        write_status(output_dir, "failed", error=f"a worker process exited with status {rc}")
+        sys.exit(rc or 1)
+    write_status(output_dir, "completed")
+    summary = json.loads(summary_path.read_text())
+    return TrainResult(
+        output_dir,
+        output_dir / "adapter",
+        summary["initial_val"],
+        summary["final_val"],
+        summary["chance_token_accuracy"],
+        None,
+    )
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(dcfg: DictConfig) -> float:
     output_dir = claim_run_dir(Path(HydraConfig.get().runtime.output_dir))
     try:
         cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
-        result = train(cfg, output_dir)
+        result = execute(cfg, output_dir)
     except ConfigError as e:
         write_status(output_dir, "failed", error=str(e))
         print(f"exp: error: {e}", file=sys.stderr)
@@ -143,7 +223,7 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
         dcfg = compose(config_name="train", overrides=list(overrides or []))
     cfg = to_typed(dcfg, Path.cwd())
     out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
-    return train(cfg, out)
+    return execute(cfg, out)
 
 
 def cli() -> None:

@@ -10,6 +10,50 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from exp.config import TrainConfig
 
 
+def build_strategy(cfg: TrainConfig):
+    """Lightning strategy for `hardware.strategy` (the preflight has resolved `auto` before this is called)."""
+    from exp.config import Strategy
+
+    hw = cfg.hardware
+    if hw.strategy == Strategy.ddp:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        # Every LoRA parameter takes part in every step, so DDP need not search for unused ones.
+        return DDPStrategy(find_unused_parameters=False)
+    if hw.strategy == Strategy.fsdp:
+        import torch
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import MixedPrecision
+
+        from exp.model import compute_dtype, decoder_layer_class
+
+        dtype = compute_dtype(hw.precision)
+        return FSDPStrategy(
+            auto_wrap_policy={decoder_layer_class(cfg.model.family)},
+            # Frozen 4-bit and trainable adapter weights share a wrapped layer: keep the original parameters.
+            use_orig_params=True,
+            # Lightning's bf16-mixed would cast every flat parameter to fp32 before forward, which would turn the
+            # packed 4-bit bytes (stored as bf16, see exp.model) into numbers. Keep them in the compute dtype.
+            mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype),
+            state_dict_type="full",
+        )
+    if hw.strategy == Strategy.model_parallel:
+        return _ModelParallelSingleProcess()
+    return "auto"
+
+
+def _ModelParallelSingleProcess():
+    """One process whose model spans several GPUs: Lightning must not move the placed layers to one device."""
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class ModelParallelSingleProcess(SingleDeviceStrategy):
+        def model_to_device(self) -> None:
+            pass  # the layers were placed across the GPUs when loaded; batches go to the first one
+
+    return ModelParallelSingleProcess(device=torch.device("cuda", 0))
+
+
 def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Trainer:
     hw, t = cfg.hardware, cfg.trainer
     accumulate = cfg.accumulate_grad_batches
@@ -23,7 +67,9 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Traine
     )
     return L.Trainer(
         accelerator=hw.accelerator.value,
-        devices=hw.devices,
+        # A model-parallel run is one process (the model spans its GPUs): Lightning drives one device.
+        devices=1 if hw.strategy.value == "model_parallel" else hw.devices,
+        strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
         precision=hw.precision,
         max_steps=t.max_steps,
