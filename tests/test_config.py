@@ -173,7 +173,7 @@ def test_quantization_options_give_enum(option: str, expected: QuantType):
 def test_hardware_gpu():
     hw = typed(["hardware=gpu"]).hardware
     assert hw.accelerator is Accelerator.gpu
-    assert hw.precision == "bf16-mixed"
+    assert hw.precision == "auto"  # resolved by the preflight (bf16-mixed on Ampere+)
     assert hw.micro_batch_size == 4
     assert hw.gradient_checkpointing is True
 

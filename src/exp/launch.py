@@ -30,8 +30,8 @@ def externally_launched() -> bool:
     )
 
     return (
-        TorchElasticEnvironment.detected()
-        or SLURMEnvironment.detected()
+        TorchElasticEnvironment.detect()
+        or SLURMEnvironment.detect()
         or LightningEnvironment().creates_processes_externally
     )
 

@@ -10,7 +10,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from exp.config import ConfigError, LoraConfig, ModelConfig, QuantizationConfig, QuantType, TrainConfig
+from exp.config import (
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    ModelFamily,
+    QuantizationConfig,
+    QuantType,
+    Strategy,
+    TrainConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +61,12 @@ def build_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def build_quantization_config(cfg: QuantizationConfig, dtype: torch.dtype):
-    """bitsandbytes settings for `from_pretrained`; None for plain (unquantized) LoRA."""
+def build_quantization_config(cfg: QuantizationConfig, dtype: torch.dtype, storage: torch.dtype | None = None):
+    """bitsandbytes settings for `from_pretrained`; None for plain (unquantized) LoRA.
+
+    `storage` packs the 4-bit values into tensors of that dtype instead of uint8: FSDP flattens all parameters of a
+    wrapped layer into one tensor and needs them to share a dtype (issue: "Must flatten tensors with uniform dtype").
+    """
     from transformers import BitsAndBytesConfig
 
     if cfg.quant_type == QuantType.none:
@@ -65,6 +78,7 @@ def build_quantization_config(cfg: QuantizationConfig, dtype: torch.dtype):
         bnb_4bit_quant_type=cfg.quant_type.value,
         bnb_4bit_use_double_quant=cfg.double_quant,
         bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=storage or torch.uint8,
     )
 
 
@@ -89,13 +103,16 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
         )
     dtype = compute_dtype(cfg.hardware.precision)
     source = resolve_checkpoint(cfg.model)
+    strategy = cfg.hardware.strategy
+    # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the device (the
+    # widely copied {0: ""} has them swapped). Model parallelism instead spreads the layers over every visible GPU.
+    device_map = "auto" if strategy == Strategy.model_parallel else {"": device}
+    storage = dtype if strategy == Strategy.fsdp else None
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
-            quantization_config=build_quantization_config(cfg.quantization, dtype),
-            # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the
-            # device (the widely copied {0: ""} has them swapped).
-            device_map={"": device},
+            quantization_config=build_quantization_config(cfg.quantization, dtype, storage),
+            device_map=device_map,
             dtype=dtype,
             attn_implementation=cfg.model.attn_implementation,
             revision=cfg.model.revision,
@@ -186,9 +203,29 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.lora.init_seed)
         model = get_peft_model(model, build_lora_config(cfg.lora))
+    if cfg.hardware.strategy == Strategy.fsdp:
+        # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
+        # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
+        dtype = compute_dtype(cfg.hardware.precision)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()
     return model
+
+
+def decoder_layer_class(family: ModelFamily) -> type:
+    """The repeated block of each family: FSDP's wrapping unit."""
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+
+    return {
+        ModelFamily.gemma: GemmaDecoderLayer,
+        ModelFamily.gemma2: Gemma2DecoderLayer,
+        ModelFamily.gemma3: Gemma3DecoderLayer,
+    }[family]
 
 
 def count_parameters(model: nn.Module) -> dict[str, Any]:

@@ -171,6 +171,22 @@ class QLoRAModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def placement(self) -> dict[str, Any]:
+        """Where this process's weights live: every device holding a frozen or a trainable parameter."""
+        frozen = sorted({str(p.device) for p in self.model.parameters() if not p.requires_grad})
+        trainable = sorted({str(p.device) for p in self.model.parameters() if p.requires_grad})
+        return {"root_device": str(self.trainer.strategy.root_device), "frozen": frozen, "trainable": trainable}
+
+    def gather_placements(self) -> list[dict[str, Any]]:
+        """Every rank's `placement()` (rank order), for the run summary."""
+        if self.trainer.world_size == 1:
+            return [self.placement()]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(out, self.placement())
+        return out
+
     def check_replicas_agree(self) -> list[list[float]] | None:
         """Data-parallel replicas must hold identical adapters: gather a fingerprint of each and compare.
 

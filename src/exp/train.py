@@ -78,6 +78,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
             module,
         )
         replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
+        placements = module.gather_placements()
         save_adapter(module, trainer, adapter_dir)
         if trainer.is_global_zero:
             tokenizer.save_pretrained(adapter_dir)
@@ -91,6 +92,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
                 "device": str(module.device),
                 "world_size": trainer.world_size,
                 "replica_adapter_checksums": replicas_agree,
+                "placement_per_rank": placements,
                 "data": datamodule.stats,
             }
             write_json(output_dir / "summary.json", summary)

@@ -1,0 +1,208 @@
+"""The preflight: every finding triggered by a simulated environment, plus the real CLI on this CPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import compose_typed
+
+from exp.preflight import PREFLIGHT_EXIT, Environment, Gpu, check, probe_environment
+
+H200 = Gpu("NVIDIA H200", 143 * 2**30, 140 * 2**30, (9, 0))
+T4 = Gpu("Tesla T4", 15 * 2**30, 14 * 2**30, (7, 5))
+GPU_ENV = dict(torch_cuda="13.0", driver_version="580.159", driver_cuda="13.0")
+
+
+def keys(result) -> list[str]:
+    return [f.key for f in result.findings]
+
+
+def test_gpu_requested_on_a_machine_without_gpu():
+    result = check(compose_typed(["hardware=gpu"]), Environment(torch_cuda="13.0", cuda_visible_devices=""))
+    assert keys(result) == ["hardware.accelerator"]
+    msg = str(result.findings[0])
+    assert "sees no GPU" in msg and "hardware=cpu" in msg and "CUDA_VISIBLE_DEVICES=''" in msg
+
+
+def test_gpu_requested_with_a_cpu_build_of_torch():
+    result = check(compose_typed(["hardware=ddp"]), Environment(torch_cuda=None))
+    assert keys(result) == ["hardware.accelerator"] and "CPU-only build" in result.findings[0].message
+
+
+def test_more_devices_than_visible_is_caught_before_cuda():
+    cfg = compose_typed(["hardware=ddp", "hardware.devices=4", "trainer.global_batch_size=16"])
+    result = check(cfg, Environment(gpus=[H200], cuda_visible_devices="1", **GPU_ENV), memory_check=False)
+    assert keys(result) == ["hardware.devices"]
+    msg = result.findings[0].message
+    assert "hardware.devices=4" in msg and "1 GPU(s)" in msg and "hardware.devices=1" in msg
+    assert "INTERNAL ASSERT" in msg and "cuda:0" in msg  # explains the renumbering
+
+
+def test_cuda_visible_devices_changed_after_cuda_init():
+    env = Environment(
+        gpus=[H200],
+        cuda_visible_devices="1",
+        cuda_initialized=True,
+        cvd_at_init="0,1",
+        cached_device_count=2,
+        **GPU_ENV,
+    )
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert "CUDA_VISIBLE_DEVICES" in keys(result)
+    msg = result.findings[0].message
+    assert "'0,1'" in msg and "'1'" in msg and "restart" in msg
+
+
+def test_unchanged_cuda_visible_devices_after_init_is_fine():
+    env = Environment(
+        gpus=[H200], cuda_visible_devices="0", cuda_initialized=True, cvd_at_init="0", cached_device_count=1, **GPU_ENV
+    )
+    assert check(compose_typed(["hardware=gpu"]), env, memory_check=False).ok
+
+
+def test_mig_needs_exactly_one_mig_instance():
+    env = Environment(gpus=[H200], mig_enabled=[True], cuda_visible_devices="0", **GPU_ENV)
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert keys(result) == ["CUDA_VISIBLE_DEVICES"] and "MIG-<uuid>" in result.findings[0].message
+    env.cuda_visible_devices = "MIG-4f1c2a7e-0000-0000-0000-000000000000"
+    assert check(compose_typed(["hardware=gpu"]), env, memory_check=False).ok
+
+
+def test_driver_older_than_the_cuda_runtime():
+    env = Environment(gpus=[H200], torch_cuda="13.0", driver_version="535.104", driver_cuda="12.2")
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert keys(result) == ["driver"] and "update the driver" in result.findings[0].message
+
+
+def test_cuda_init_failure_from_the_probe_is_reported():
+    env = Environment(torch_cuda="13.0", probe_error="RuntimeError: The NVIDIA driver on your system is too old")
+    result = check(compose_typed(["hardware=gpu"]), env)
+    assert keys(result) == ["hardware.accelerator"] and "update the NVIDIA driver" in result.findings[0].message
+
+
+def test_forked_dataloader_workers_after_cuda_init():
+    env = Environment(gpus=[H200], cuda_initialized=True, cached_device_count=1, start_method="fork", **GPU_ENV)
+    result = check(compose_typed(["hardware=gpu", "hardware.num_workers=2"]), env, memory_check=False)
+    assert keys(result) == ["hardware.num_workers"] and "hardware.num_workers=0" in result.findings[0].message
+
+
+def test_missing_bitsandbytes_native_library():
+    env = Environment(gpus=[H200], bnb_error="RuntimeError: libbitsandbytes_cuda130.so not found", **GPU_ENV)
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert keys(result) == ["quantization"] and "libbitsandbytes_cuda130" in result.findings[0].message
+    assert check(compose_typed(["hardware=gpu", "quantization=none"]), env, memory_check=False).ok
+
+
+def test_several_findings_are_reported_together():
+    env = Environment(gpus=[H200], mig_enabled=[True], torch_cuda="13.0", driver_cuda="12.2", driver_version="535")
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert set(keys(result)) == {"driver", "CUDA_VISIBLE_DEVICES"}
+
+
+def test_memory_estimate_above_free_memory_suggests_a_micro_batch():
+    small = Gpu("NVIDIA L4", 24 * 2**30, 22 * 2**30, (8, 9))
+    cfg = compose_typed(
+        [
+            "model=gemma_7b",
+            "hardware=gpu",
+            "hardware.micro_batch_size=16",
+            "trainer.global_batch_size=16",
+            "data.max_seq_len=2048",
+            "lora=all_linear",
+        ]
+    )
+    result = check(cfg, Environment(gpus=[small], **GPU_ENV))
+    assert keys(result) == ["memory"]
+    msg = result.findings[0].message
+    assert "GiB per GPU" in msg and "hardware.micro_batch_size=" in msg and "logits" in msg.lower()
+
+
+def test_auto_without_gpu_picks_the_cpu():
+    result = check(compose_typed(["hardware=auto"]), Environment(torch_cuda=None))
+    hw = result.cfg.hardware
+    assert result.ok and (hw.accelerator.value, hw.strategy.value, hw.devices, hw.precision) == (
+        "cpu",
+        "single_device",
+        1,
+        "32-true",
+    )
+
+
+def test_auto_with_gpus_picks_ddp_when_a_replica_fits():
+    result = check(
+        compose_typed(["hardware=auto", "model=gemma_2b", "trainer.global_batch_size=16"]),
+        Environment(gpus=[H200, H200], **GPU_ENV),
+    )
+    hw = result.cfg.hardware
+    assert result.ok and (hw.accelerator.value, hw.strategy.value, hw.devices, hw.precision) == (
+        "gpu",
+        "ddp",
+        2,
+        "bf16-mixed",
+    )
+    assert any("strategy=ddp" in n for n in result.notes)
+    one = check(compose_typed(["hardware=auto", "model=gemma_2b"]), Environment(gpus=[H200], **GPU_ENV))
+    assert one.cfg.hardware.strategy.value == "single_device" and one.cfg.hardware.devices == 1
+
+
+def test_no_bf16_before_ampere():
+    result = check(compose_typed(["hardware=gpu", "model=gemma_2b"]), Environment(gpus=[T4], **GPU_ENV))
+    assert result.ok and result.cfg.hardware.precision == "16-mixed"
+    assert any("no bf16" in n and "16-mixed" in n for n in result.notes)
+    refused = check(compose_typed(["hardware=gpu", "model=gemma2_2b"]), Environment(gpus=[T4], **GPU_ENV))
+    assert keys(refused) == ["hardware.precision"] and "overflows in fp16" in refused.findings[0].message
+
+
+def test_devices_all_visible_is_resolved_and_checks_the_global_batch():
+    cfg = compose_typed(["hardware=ddp", "trainer.global_batch_size=12"])  # micro 4 x 2 GPUs = 8 per step
+    result = check(cfg, Environment(gpus=[H200, H200], **GPU_ENV), memory_check=False)
+    assert result.cfg.hardware.devices == 2
+    assert keys(result) == ["trainer.global_batch_size"]
+
+
+def test_probe_on_this_machine_does_not_initialise_cuda():
+    import torch
+
+    env = probe_environment(need_gpus=True)
+    assert not torch.cuda.is_initialized()
+    if torch.version.cuda is None:
+        assert env.gpus == [] and env.torch_cuda is None
+
+
+def test_cli_refuses_a_gpu_run_on_a_cpu_machine(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", "hardware=gpu", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == PREFLIGHT_EXIT, proc.stderr[-2000:]
+    assert "preflight found 1 problem" in proc.stderr and "hardware=cpu" in proc.stderr
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and "hardware.accelerator" in status["error"]
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_doctor_reports_and_exits_by_verdict():
+    ok = subprocess.run([sys.executable, "-m", "exp.doctor"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "== environment ==" in ok.stdout and "torch" in ok.stdout and "GPUs visible" in ok.stdout
+    assert "memory estimate" in ok.stdout and "OK:" in ok.stdout
+    import torch
+
+    if not torch.cuda.is_available():
+        bad = subprocess.run(
+            [sys.executable, "-m", "exp.doctor", "hardware=ddp", "hardware.devices=4"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert bad.returncode == PREFLIGHT_EXIT and "PROBLEM" in bad.stdout
