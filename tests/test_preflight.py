@@ -200,7 +200,7 @@ def test_doctor_reports_and_exits_by_verdict():
 
     if not torch.cuda.is_available():
         bad = subprocess.run(
-            [sys.executable, "-m", "exp.doctor", "hardware=ddp", "hardware.devices=4"],
+            [sys.executable, "-m", "exp.doctor", "hardware=ddp", "hardware.devices=4", "trainer.global_batch_size=16"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -23,9 +23,13 @@ def _version(name: str) -> str:
 def report_environment(env) -> str:
     lines = [
         f"python        {platform.python_version()} ({sys.executable})",
-        *(f"{n:<13} {_version(n)}" for n in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core")),
+        *(
+            f"{n:<13} {_version(n)}"
+            for n in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core")
+        ),
         f"torch CUDA    {env.torch_cuda or 'none (CPU build)'}",
-        f"driver        {env.driver_version or 'none found'}" + (f" (CUDA <= {env.driver_cuda})" if env.driver_cuda else ""),
+        f"driver        {env.driver_version or 'none found'}"
+        + (f" (CUDA <= {env.driver_cuda})" if env.driver_cuda else ""),
         f"CUDA_VISIBLE_DEVICES={env.cuda_visible_devices!r}",
         f"CUDA initialised in this process: {env.cuda_initialized}",
     ]
