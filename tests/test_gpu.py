@@ -29,6 +29,8 @@ def test_gemma_2b_trains_on_one_gpu(tmp_path):
     assert summary["steps"] == 20 and summary["device"].startswith("cuda")
     assert math.isfinite(summary["final_val"]["val/loss"])
     assert summary["peak_memory_gib"] > 1.0 and summary["tokens_per_s_median"] > 0
+    (placement,) = summary["placement_per_rank"]
+    assert placement == {"root_device": "cuda:0", "frozen": ["cuda:0"], "trainable": ["cuda:0"]}
 
 
 def test_quantized_weights_and_adapters_live_on_the_strategy_device():
@@ -36,7 +38,10 @@ def test_quantized_weights_and_adapters_live_on_the_strategy_device():
 
     from exp.model import build_model
 
-    cfg = compose_typed(["model=gemma_2b", "model.random_init=true", "hardware=gpu", "logger=csv"])
+    # precision is named here because nothing runs the preflight (which resolves `auto`) in this test.
+    cfg = compose_typed(
+        ["model=gemma_2b", "model.random_init=true", "hardware=gpu", "hardware.precision=bf16-mixed", "logger=csv"]
+    )
     model = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert type(q_proj.base_layer).__name__ == "Linear4bit"

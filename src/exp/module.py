@@ -95,6 +95,12 @@ class QLoRAModule(L.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         self.model = build_model(self.cfg, device)
 
+    def cpu(self) -> QLoRAModule:
+        """Stay put. Lightning's teardown moves the module to the CPU after `fit`; a quantized model must stay on
+        the device it was loaded on (moving 4-bit weights is what breaks QLoRA runs, and a final evaluation and the
+        replica check follow on the same devices). Move explicitly with `.to("cpu")` if you must."""
+        return self
+
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
 
