@@ -209,6 +209,16 @@ class QLoRAModule(L.LightningModule):
             raise RuntimeError(f"data-parallel replicas hold different adapters (fingerprints per rank: {prints})")
         return prints
 
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        if gradient_clip_val and self.cfg.hardware.strategy.value == "fsdp":
+            # Lightning's FSDP precision plugin refuses norm clipping; FSDP's own method computes the norm over
+            # all shards (a per-shard norm would clip each rank differently).
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
