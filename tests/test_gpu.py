@@ -48,3 +48,29 @@ def test_quantized_weights_and_adapters_live_on_the_strategy_device():
     assert q_proj.base_layer.weight.device.type == "cuda"
     assert q_proj.lora_A["default"].weight.device.type == "cuda"
     assert {p.device.type for p in model.parameters()} == {"cuda"}
+
+
+STALE_SCRIPT = r"""
+import os, sys
+import torch
+torch.zeros(1, device="cuda")            # a notebook's first cell: CUDA initialised with the GPU visible
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a later cell hides it (or points elsewhere): CUDA will not notice
+from exp.train import run
+try:
+    run(sys.argv[2:], output_dir=sys.argv[1])
+except SystemExit as e:
+    print("EXIT", e.code)
+"""
+
+
+def test_cuda_visible_devices_changed_after_init_gets_the_diagnosis(tmp_path):
+    overrides = ["model=gemma_2b", "model.random_init=true", "hardware=gpu", "trainer.max_steps=2", "logger=csv"]
+    proc = subprocess.run(
+        [sys.executable, "-c", STALE_SCRIPT, str(tmp_path / "stale"), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "EXIT 3" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[CUDA_VISIBLE_DEVICES]" in proc.stderr and "restart" in proc.stderr
+    assert "INTERNAL ASSERT" in proc.stderr  # named in the message, not raised

@@ -106,7 +106,7 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     strategy = cfg.hardware.strategy
     # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the device (the
     # widely copied {0: ""} has them swapped). Model parallelism instead spreads the layers over every visible GPU.
-    device_map = "auto" if strategy == Strategy.model_parallel else {"": device}
+    device_map = layer_device_map(source, cfg) if strategy == Strategy.model_parallel else {"": device}
     storage = dtype if strategy == Strategy.fsdp else None
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -122,6 +122,29 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
         raise ConfigError(_hub_hint(cfg.model, source, e)) from e
     _disable_cpu_inference_repacking(model)
     return model
+
+
+def layer_device_map(source: str, cfg: TrainConfig) -> dict[str, int]:
+    """Model parallelism: decoder layers split evenly over the visible GPUs, in order; the embedding (tied to the
+    head) and everything outside the layers on the first one, where Lightning puts the batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n_gpus = torch.cuda.device_count()
+    config = AutoConfig.from_pretrained(source, revision=cfg.model.revision)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    layers = config.num_hidden_layers
+    per_gpu = -(-layers // n_gpus)
+    device_map: dict[str, int] = {}
+    for name, _ in skeleton.named_children():
+        if name != "model":
+            device_map[name] = 0
+    for name, _ in skeleton.model.named_children():
+        if name != "layers":
+            device_map[f"model.{name}"] = 0
+    for i in range(layers):
+        device_map[f"model.layers.{i}"] = min(i // per_gpu, n_gpus - 1)
+    return device_map
 
 
 def _disable_cpu_inference_repacking(model: nn.Module) -> None:

@@ -143,7 +143,9 @@ def probe_environment(check_bitsandbytes: bool = False, need_gpus: bool = True) 
         start_method=multiprocessing.get_start_method(allow_none=True) or "fork",
     )
     if env.cuda_initialized:
-        env.cached_device_count = torch.cuda.device_count()  # cached at initialisation, not re-read
+        # The count the CUDA runtime fixed at initialisation. torch.cuda.device_count() may re-read NVML with the
+        # current CUDA_VISIBLE_DEVICES instead, which is exactly the disagreement behind the INTERNAL ASSERT.
+        env.cached_device_count = torch._C._cuda_getDeviceCount()
         env.cvd_at_init = _cvd_before_cuda_init[0] if _cvd_before_cuda_init else None
     elif not _cvd_before_cuda_init:
         _cvd_before_cuda_init.append(env.cuda_visible_devices)
