@@ -198,7 +198,7 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     # CUDA's device list is fixed at initialisation; a later CUDA_VISIBLE_DEVICES change is invisible to it.
     if env.cuda_initialized:
         changed = env.cvd_at_init is not None and env.cvd_at_init != cvd
-        stale = env.cached_device_count is not None and env.gpus and env.cached_device_count != visible
+        stale = env.cached_device_count is not None and not env.probe_error and env.cached_device_count != visible
         if changed or stale:
             findings.append(
                 Finding(
