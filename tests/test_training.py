@@ -25,6 +25,21 @@ def fixed_batches(cfg, n_batches: int, batch_size: int) -> list[dict[str, torch.
     return [collate(enc[i : i + batch_size], tok.pad_token_id) for i in range(0, len(enc), batch_size)]
 
 
+def plain_nf4_base(cfg):
+    """The base model as a user loads it by hand: transformers + bitsandbytes, no exp code."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_checkpoint(cfg.model), quantization_config=quant, device_map={"": "cpu"}, dtype=torch.float32
+    )
+
+
 def test_short_run_learns_and_writes_run_dir(short_run):
     out = short_run.output_dir
     assert json.loads((out / "status.json").read_text())["status"] == "completed"
@@ -54,7 +69,6 @@ def test_checkpoints_hold_only_adapter_weights(short_run):
 
 def test_adapter_reloads_with_plain_peft_and_reproduces_logits(short_run):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     cfg = short_run.module.cfg
     batch = fixed_batches(cfg, 1, 4)[0]
@@ -63,15 +77,7 @@ def test_adapter_reloads_with_plain_peft_and_reproduces_logits(short_run):
     with torch.no_grad():
         expected = trained(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    base = AutoModelForCausalLM.from_pretrained(
-        resolve_checkpoint(cfg.model), quantization_config=quant, device_map={"": "cpu"}, dtype=torch.float32
-    )
+    base = plain_nf4_base(cfg)
     reloaded = PeftModel.from_pretrained(base, short_run.adapter_dir)
     reloaded.eval()
     mask = batch["attention_mask"].bool()
@@ -86,9 +92,7 @@ def test_adapter_reloads_with_plain_peft_and_reproduces_logits(short_run):
     torch.testing.assert_close(plain, expected[mask], atol=0.1, rtol=0)
     assert (plain.argmax(-1) == expected[mask].argmax(-1)).float().mean() > 0.99
     # With the kernel training used (what exp.model selects), the reload is exact.
-    base2 = AutoModelForCausalLM.from_pretrained(
-        resolve_checkpoint(cfg.model), quantization_config=quant, device_map={"": "cpu"}, dtype=torch.float32
-    )
+    base2 = plain_nf4_base(cfg)
     for m in base2.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -106,7 +110,6 @@ def test_one_framework_step_matches_hand_written_loop(tmp_path):
     import lightning as L
     from peft import LoraConfig, get_peft_model
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from exp.module import QLoRAModule
     from exp.trainer import build_trainer
@@ -145,15 +148,7 @@ def test_one_framework_step_matches_hand_written_loop(tmp_path):
     )
 
     # By hand: the loop a user would write.
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_checkpoint(cfg.model), quantization_config=quant, device_map={"": "cpu"}, dtype=torch.float32
-    )
+    model = plain_nf4_base(cfg)
     torch.manual_seed(cfg.lora.init_seed)
     model = get_peft_model(
         model,
