@@ -40,7 +40,11 @@ REQUIRED_COMPANIONS: dict[tuple[str, str], list[str]] = {
     # int8 has no CPU kernel: rejected with the default hardware=cpu. Only the accelerator is switched
     # here, so this covers int8 alone (hardware=gpu has its own tests, e.g. test_int8_with_hardware_gpu).
     ("quantization", "int8"): ["hardware.accelerator=gpu"],
-    ("data", "alpaca"): ["data.path=train.jsonl"],  # file-based formats need a path
+    # file-based formats need a path
+    **{
+        ("data", f): ["data.path=train.jsonl"]
+        for f in ("alpaca", "chat", "guanaco", "prompt_completion", "sharegpt", "text")
+    },
 }
 
 

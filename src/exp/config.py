@@ -68,8 +68,18 @@ class Optimizer(str, Enum):
 
 
 class DataFormat(str, Enum):
-    synthetic = "synthetic"
-    alpaca = "alpaca"
+    synthetic = "synthetic"  # generated, embedded default
+    alpaca = "alpaca"  # {instruction, input, output}
+    prompt_completion = "prompt_completion"  # {prompt, completion}
+    chat = "chat"  # {messages: [{role, content}]}, rendered with the tokenizer's chat template
+    sharegpt = "sharegpt"  # {conversations: [{from, value}]}
+    text = "text"  # {text}: plain text, continued pre-training (every token carries loss)
+    guanaco = "guanaco"  # {text: "### Human: ... ### Assistant: ..."} (oasst1 as used by QLoRA)
+
+
+class BadRows(str, Enum):
+    skip = "skip"  # drop rows with a missing / non-string field, warn with how many and which
+    fail = "fail"  # stop with a ConfigError naming the file and the rows
 
 
 class LoggerKind(str, Enum):
@@ -151,17 +161,32 @@ class DataConfig:
     """The examples: where they come from and how they become token ids."""
 
     format: DataFormat = DataFormat.synthetic
-    # A local JSON / JSONL file (or a directory of them) for file-based formats; relative paths are resolved
-    # against the directory `exp.train` was launched from.
+    # A local JSON / JSONL / CSV / Parquet file (or a directory of them) for file-based formats; relative paths are
+    # resolved against the directory `exp.train` was launched from.
     path: str | None = None
-    # Alpaca column names, mappable for files that use other names.
+    # Or a dataset on the Hugging Face hub (read from the local `datasets` cache when offline), and its split.
+    hub_id: str | None = None
+    split: str = "train"
+    # A separate validation file (same format); when unset, `val_size` is carved from the training data.
+    val_path: str | None = None
+    # Column names, mappable for files that use other names (see docs/data.md for which format reads which).
     instruction_field: str = "instruction"
     input_field: str = "input"
     output_field: str = "output"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    text_field: str = "text"
     max_seq_len: int = 128
     # Held-out split: a fraction (< 1) or a number of examples (>= 1), drawn with `seed`.
     val_size: float = 0.1
     train_on_prompt: bool = False
+    on_bad_rows: BadRows = BadRows.skip
+    # Concatenate training examples into full max_seq_len rows (no padding, no cross-example attention).
+    packing: bool = False
+    # Without packing: batch examples of similar length (less padding). Off for the synthetic default, whose
+    # examples are all about as long, so its data order (and recorded losses) stay as they are.
+    group_by_length: bool = False
     # Size of the generated default dataset (`format=synthetic`).
     num_examples: int = 4000
     seed: int = 0
@@ -185,6 +210,11 @@ class TrainerConfig:
     val_every_n_steps: int = 50
     # Validation batches per evaluation (null: the whole held-out split).
     limit_val_batches: int | None = None
+    # Greedy answers written to <run>/samples.txt (and a W&B table) at every validation, to watch them change:
+    # these instructions in the data's prompt format, or (empty) the first `sample_count` held-out examples.
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_count: int = 3  # 0 (with no sample_prompts): no samples
+    sample_max_new_tokens: int = 24
     checkpoint_every_n_steps: int = 100
     log_every_n_steps: int = 5
     seed: int = 0
@@ -196,6 +226,7 @@ class LoggerConfig:
 
     kind: LoggerKind = LoggerKind.wandb
     project: str = "exp"
+    run_name: str | None = None  # default: <experiment>-<model>-<run dir>; a sweep job: its overrides
     entity: str | None = None
     mode: WandbMode = WandbMode.auto
     group: str | None = None
@@ -298,8 +329,8 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
     if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:
         p.append("trainer.val_every_n_steps, checkpoint_every_n_steps and log_every_n_steps must be >= 1")
-    if d.format != DataFormat.synthetic and not d.path:
-        p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory>")
+    if d.format != DataFormat.synthetic and not (d.path or d.hub_id):
+        p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory> or data.hub_id=<name>")
     if d.max_seq_len < 8:
         p.append(f"data.max_seq_len={d.max_seq_len}: too short to hold a prompt and a response; use >= 8")
     if d.val_size <= 0:
@@ -331,6 +362,7 @@ def register_configs() -> None:
 __all__ = [
     "MISSING",
     "Accelerator",
+    "BadRows",
     "ConfigError",
     "DataConfig",
     "DataFormat",
@@ -358,4 +390,6 @@ def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
     for holder in (cfg.data, cfg.model):
         if holder.path and not Path(holder.path).expanduser().is_absolute():
             holder.path = str((launch_dir / holder.path).resolve())
+    if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().is_absolute():
+        cfg.data.val_path = str((launch_dir / cfg.data.val_path).resolve())
     return cfg

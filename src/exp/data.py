@@ -1,8 +1,15 @@
-"""Examples -> token ids -> batches: loading, prompt formatting, response-only labels, the Lightning DataModule."""
+"""Examples -> token ids -> batches: sources, tokenisation (cached), masks, splits, batching, the DataModule.
+
+Per-format rendering lives in `exp.formats`, packing in `exp.packing`; this module does what is common to all
+formats: read the source with `datasets`, encode every row once (cached by fingerprint under the exp cache),
+collect bad rows, carve the validation split, and batch (padded, length-grouped or packed).
+"""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -11,89 +18,281 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
-from exp.config import ConfigError, DataConfig, DataFormat
+from exp.config import BadRows, ConfigError, DataConfig, DataFormat
+from exp.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
+from exp.packing import Packed, pack
 from exp.synthetic import generate_examples
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value that cross-entropy skips: prompt tokens and padding
+# Bump when the encoding changes, so cached tokenisations are not reused.
+ENCODING_VERSION = 1
+# `datasets` builders by file suffix.
+READERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Rows above which tokenisation runs in parallel processes (below, process start-up costs more than it saves).
+PARALLEL_ROWS = 20_000
 
-
-def format_prompt(instruction: str, input_text: str) -> str:
-    """The Alpaca prompt; the response follows it directly."""
-    if input_text:
-        return f"### Instruction:\n{instruction}\n\n### Input:\n{input_text}\n\n### Response:\n"
-    return f"### Instruction:\n{instruction}\n\n### Response:\n"
-
-
-def load_examples(cfg: DataConfig) -> list[dict[str, str]]:
-    """Rows of {instruction, input, output} from the generated default or a local Alpaca-style file."""
-    if cfg.format == DataFormat.synthetic:
-        return generate_examples(cfg.num_examples, cfg.seed)
-    path = Path(cfg.path or "")
-    if not path.exists():
-        raise ConfigError(
-            f"data.path={cfg.path}: no such file or directory. Relative paths are resolved against the directory "
-            "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
-        )
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
-    if not files or any(f.suffix not in (".json", ".jsonl") for f in files):
-        raise ConfigError(f"data.path={cfg.path}: expected a .json / .jsonl file or a directory of them")
-    import datasets
-
-    try:
-        ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
-    except Exception as e:  # datasets raises several types for unreadable JSON
-        raise ConfigError(f"data.path={cfg.path}: could not be read as JSON / JSONL ({type(e).__name__}: {e})") from e
-    fields = {"instruction": cfg.instruction_field, "input": cfg.input_field, "output": cfg.output_field}
-    for role in ("instruction", "output"):
-        if fields[role] not in ds.column_names:
-            raise ConfigError(
-                f"data.path={cfg.path}: no column '{fields[role]}' (data.{role}_field); the file has columns "
-                f"{ds.column_names}. Map yours with e.g. data.{role}_field=<column>."
-            )
-    rows, bad = [], []
-    for i, r in enumerate(ds):
-        ins, out = r.get(fields["instruction"]), r.get(fields["output"])
-        inp = r.get(fields["input"]) or ""
-        if not isinstance(ins, str) or not isinstance(out, str) or not out.strip() or not isinstance(inp, str):
-            bad.append(i)
-            continue
-        rows.append({"instruction": ins, "input": inp, "output": out})
-    if bad:
-        log.warning("data: skipped %d row(s) with a missing or non-string field (rows %s)", len(bad), bad[:10])
-    if not rows:
-        raise ConfigError(f"data.path={cfg.path}: no usable rows (every row lacks a string instruction/output)")
-    return rows
+__all__ = [
+    "IGNORE_INDEX",
+    "Encoded",
+    "InstructionDataModule",
+    "build_datamodule",
+    "collate",
+    "encode_example",
+    "encode_rendered",
+    "format_prompt",
+    "load_examples",
+    "split_rows",
+]
 
 
 @dataclass
 class Encoded:
     input_ids: list[int]
     labels: list[int]
+    truncated: bool = False  # cut at max_seq_len (an empty encoding: its response was cut off entirely)
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+
+def encode_rendered(
+    tokenizer: Any, rendered: Rendered, max_seq_len: int, train_on_prompt: bool
+) -> tuple[Encoded | None, bool]:
+    """Token ids and labels for rendered pieces; (None, truncated) when no response token is left.
+
+    Pieces are tokenised without special tokens (Gemma's tokenizer would add its own `<bos>` to each) and
+    concatenated, so a mask boundary is always a token boundary. `<bos>` is prepended unless the rendering
+    already starts with it (chat templates do): exactly one per sequence. `<eos>` ends the last response of
+    plain formats. Response pieces (and `<eos>`) carry the loss; prompt pieces only with `train_on_prompt`.
+    """
+    ids: list[int] = []
+    is_response: list[bool] = []
+    for text, response in zip(rendered.texts, rendered.response, strict=True):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids += piece
+        is_response += [response] * len(piece)
+    if rendered.add_eos:
+        ids.append(tokenizer.eos_token_id)
+        is_response.append(True)
+    if not ids or ids[0] != tokenizer.bos_token_id:
+        ids.insert(0, tokenizer.bos_token_id)
+        is_response.insert(0, False)
+    if not any(is_response[1:]):
+        raise BadRow("the rendering has no response token (check the template / the response field)")
+    truncated = len(ids) > max_seq_len
+    ids, is_response = ids[:max_seq_len], is_response[:max_seq_len]
+    if not any(is_response[1:]):  # the response is entirely cut off: nothing to learn from
+        return None, True
+    labels = (
+        ids.copy() if train_on_prompt else [t if r else IGNORE_INDEX for t, r in zip(ids, is_response, strict=True)]
+    )
+    return Encoded(ids, labels, truncated), truncated
 
 
 def encode_example(
     tokenizer: Any, row: dict[str, str], max_seq_len: int, train_on_prompt: bool
 ) -> tuple[Encoded | None, bool]:
-    """Token ids and labels for one row; returns (None, True) when truncation would leave no response token.
+    """An Alpaca row {instruction, input, output}: the Alpaca prompt, then the output and `<eos>`."""
+    rendered = Rendered([format_prompt(row["instruction"], row.get("input") or ""), row["output"]], [False, True])
+    return encode_rendered(tokenizer, rendered, max_seq_len, train_on_prompt)
 
-    `<bos>` is added here exactly once (the text is tokenised without special tokens, since Gemma's tokenizer
-    would add its own) and `<eos>` ends the response so the model learns to stop. The second value says
-    whether the example was truncated.
+
+def _encode_row(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
+    """`datasets.map` function: one row -> ids, labels and what happened (error / truncated / dropped)."""
+    try:
+        enc, truncated = encode_rendered(
+            tokenizer, render_row(cfg, row, tokenizer), cfg.max_seq_len, cfg.train_on_prompt
+        )
+    except BadRow as e:
+        return {"input_ids": [], "labels": [], "truncated": False, "error": str(e)}
+    if enc is None:
+        return {"input_ids": [], "labels": [], "truncated": True, "error": ""}
+    return {"input_ids": enc.input_ids, "labels": enc.labels, "truncated": truncated, "error": ""}
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    """Rows as a `datasets.Dataset`, a name for messages (the file or hub id) and a stable fingerprint."""
+
+    rows: Any
+    name: str
+    fingerprint: str
+
+
+def _files(path_str: str, key: str) -> list[Path]:
+    path = Path(path_str).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"{key}={path_str}: no such file or directory. Relative paths are resolved against the directory "
+            "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
+        )
+    files = sorted(p for p in path.iterdir() if p.suffix in READERS) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"{key}={path_str}: the directory holds no {', '.join(READERS)} file")
+    kinds = {READERS.get(f.suffix) for f in files}
+    if None in kinds:
+        raise ConfigError(
+            f"{key}={path_str}: unsupported file type '{path.suffix}'; use one of {', '.join(READERS)} "
+            "(or convert it, e.g. to JSONL)"
+        )
+    if len(kinds) > 1:
+        raise ConfigError(f"{key}={path_str}: mixes file types {sorted(kinds)}; keep one type per directory")
+    empty = [f.name for f in files if f.stat().st_size == 0 or (f.suffix != ".parquet" and not f.read_text().strip())]
+    if len(empty) == len(files):
+        raise ConfigError(f"{key}={path_str}: the data is empty ({', '.join(empty)}); point {key} at examples")
+    return files
+
+
+def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
+    """Read a local file / directory, or a hub dataset (cache first), or generate the synthetic rows."""
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per small map / read is noise; large runs log their counts
+    if cfg.format == DataFormat.synthetic:
+        rows = generate_examples(cfg.num_examples, cfg.seed)
+        digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+        return Source(datasets.Dataset.from_list(rows), "synthetic", digest)
+    if path:
+        files = _files(path, key)
+        builder = READERS[files[0].suffix]
+        try:
+            ds = datasets.load_dataset(
+                builder, data_files=[str(f) for f in files], split="train", cache_dir=str(_cache("datasets"))
+            )
+        except Exception as e:  # datasets raises several types for unreadable files
+            raise ConfigError(
+                f"{key}={path}: could not be read as {builder.upper()} ({type(e).__name__}: {_short(e)}). "
+                "Check that the file is valid (JSON: one array of objects, or JSONL: one object per line)."
+            ) from e
+        stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return Source(ds, path, hashlib.sha256(json.dumps(stamp).encode()).hexdigest())
+    try:
+        ds = datasets.load_dataset(cfg.hub_id, split=cfg.split)
+    except Exception as e:
+        raise ConfigError(
+            f"data.hub_id={cfg.hub_id} (split {cfg.split}): not in the local datasets cache and the hub could not "
+            f"be reached or has no such dataset ({type(e).__name__}: {_short(e)}). Download it once on a connected "
+            "machine (it is then cached under ~/.cache/huggingface/datasets), or save it as JSONL and pass "
+            "data.path=<file>."
+        ) from e
+    return Source(ds, cfg.hub_id, ds._fingerprint)
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _cache(kind: str) -> Path:
+    from exp.local_models import cache_dir
+
+    d = cache_dir() / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of everything in the tokenizer that changes token ids: vocabulary, merges, template, special ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = [type(tokenizer).__name__, tokenizer.chat_template, tokenizer.bos_token_id, tokenizer.eos_token_id]
+    return hashlib.sha256((vocab + json.dumps(extra, default=str)).encode()).hexdigest()
+
+
+def encoding_fingerprint(cfg: DataConfig, source: Source, tokenizer_fp: str) -> str:
+    """What the encoded rows depend on: the source, the tokenizer and the encoding fields of the config."""
+    fields = ["format", "max_seq_len", "train_on_prompt"] + [k for k in vars(cfg) if k.endswith("_field")]
+    key = {k: str(getattr(cfg, k)) for k in fields}
+    key.update(source=source.fingerprint, tokenizer=tokenizer_fp, v=ENCODING_VERSION)
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):
+    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized by an explicit fingerprint.
+
+    A second run with the same source, tokenizer and encoding fields reads the cache file and calls no encoder.
     """
-    prompt = tokenizer(format_prompt(row["instruction"], row["input"]), add_special_tokens=False)["input_ids"]
-    response = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    prompt = [tokenizer.bos_token_id] + prompt
-    ids = prompt + response
-    truncated = len(ids) > max_seq_len
-    ids = ids[:max_seq_len]
-    n_prompt = min(len(prompt), len(ids))
-    if n_prompt == len(ids):  # the response is entirely cut off: nothing to learn from
-        return None, True
-    labels = ids.copy() if train_on_prompt else [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
-    return Encoded(ids, labels), truncated
+    ds = source.rows
+    if len(ds) == 0:
+        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
+    missing = [c for c in required_columns(cfg) if c not in ds.column_names]
+    if missing:
+        fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
+        raise ConfigError(
+            f"{source.name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format="
+            f"{cfg.format.value}); the data has columns {ds.column_names}. Map yours with e.g. {fixes}, or pick "
+            "the data.format that matches the file."
+        )
+    fp = encoding_fingerprint(cfg, source, tokenizer_fp)
+    return ds.map(
+        _encode_row,
+        fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
+        remove_columns=ds.column_names,
+        num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
+        cache_file_name=str(_cache("tokenized") / f"{fp}.arrow"),
+        load_from_cache_file=True,
+        new_fingerprint=fp,
+        desc=f"tokenising {source.name}",
+    )
+
+
+def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:
+    """Indices of rows without problems; bad rows are reported (and skipped) or fail, per `data.on_bad_rows`."""
+    errors = encoded["error"]
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        shown = "; ".join(f"row {i}: {e}" for i, e in bad[:10]) + (" ..." if len(bad) > 10 else "")
+        if cfg.on_bad_rows == BadRows.fail or len(bad) == len(errors):
+            fix = (
+                "fix the rows, map the columns (data.<name>_field=...), or pass data.on_bad_rows=skip to drop them"
+                if len(bad) < len(errors)
+                else "no row is usable: check data.format and the column mapping (data.<name>_field=...)"
+            )
+            raise ConfigError(f"{source.name}: {len(bad)} of {len(errors)} rows unusable ({shown}); {fix}")
+        log.warning(
+            "data: skipped %d of %d row(s) of %s (rows %s): %s",
+            len(bad),
+            len(errors),
+            source.name,
+            [i for i, _ in bad[:20]],
+            shown,
+        )
+    return [i for i, e in enumerate(errors) if not e]
+
+
+def load_examples(cfg: DataConfig, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """The usable raw rows of the configured source (bad rows skipped and reported, or failing per config)."""
+    source = read_source(cfg, cfg.path, "data.path")
+    rows = source.rows
+    if len(rows) == 0:
+        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
+    missing = [c for c in required_columns(cfg) if c not in rows.column_names]
+    if missing:
+        raise ConfigError(
+            f"{source.name}: no column {missing[0]!r} ({field_key(cfg, missing[0])}); the data has columns "
+            f"{rows.column_names}. Map yours with e.g. {field_key(cfg, missing[0])}=<column>."
+        )
+    kept, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            if cfg.format not in (DataFormat.chat, DataFormat.sharegpt) or tokenizer is not None:
+                render_row(cfg, row, tokenizer)
+            kept.append(row)
+        except BadRow as e:
+            bad.append((i, str(e)))
+    if bad and (cfg.on_bad_rows == BadRows.fail or not kept):
+        raise ConfigError(f"{source.name}: {len(bad)} rows unusable (rows {[i for i, _ in bad[:20]]}: {bad[0][1]})")
+    if bad:
+        log.warning(
+            "data: skipped %d row(s) of %s (rows %s): %s", len(bad), source.name, [i for i, _ in bad], bad[0][1]
+        )
+    return kept
 
 
 def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], list[Any]]:
@@ -102,59 +301,185 @@ def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], 
     random.Random(seed).shuffle(order)
     n_val = int(val_size) if val_size >= 1 else max(1, round(len(rows) * val_size))
     if n_val >= len(rows):
-        raise ConfigError(f"data.val_size={val_size} leaves no training examples out of {len(rows)}")
+        raise ConfigError(
+            f"data.val_size={val_size} leaves no training examples out of {len(rows)} usable rows: lower it "
+            "(a fraction like 0.1 or a count) or give a separate data.val_path"
+        )
     return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
 
 
-def collate(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example of the batch; padding is masked out and never a label."""
+def position_limit(tokenizer: Any) -> int | None:
+    """The model's position limit, from the checkpoint the tokenizer came from (its config.json), if known."""
+    source = getattr(tokenizer, "name_or_path", "") or ""
+    config = Path(source) / "config.json"
+    limit = None
+    try:
+        if config.is_file():
+            data = json.loads(config.read_text())
+        else:
+            from transformers import AutoConfig
+
+            data = AutoConfig.from_pretrained(source, local_files_only=True).to_dict()
+        data = data.get("text_config") or data  # multimodal Gemma 3 keeps the text model's fields nested
+        limit = data.get("max_position_embeddings")
+    except Exception:  # a hub id not cached here: the model load reports that; nothing to check against
+        pass
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_limit, int) and tok_limit < 10**7:  # huge values are transformers' "unset" sentinel
+        limit = min(limit, tok_limit) if limit else tok_limit
+    return limit
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+
+
+def collate(examples: list[Encoded | Packed], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row of the batch; padding is masked out and never a label.
+
+    Packed rows get `position_ids` (restarting per example) and no `attention_mask`: transformers then builds
+    the block-diagonal mask from the position restarts (see `exp.packing`). Padding in a packed batch forms its
+    own short "sequence" (positions from 0) that no real token attends to.
+    """
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
+    packed = isinstance(examples[0], Packed)
+    positions = torch.arange(width).repeat(len(examples), 1) if packed else None
     for i, e in enumerate(examples):
         n = len(e.input_ids)
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
+        if packed:
+            positions[i, :n] = torch.tensor(e.position_ids)
+            positions[i, n:] = torch.arange(width - n)
+    if packed:
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class LengthGroupedBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length examples in a seeded random order (less padding than random batches).
+
+    Each epoch: shuffle, cut into mega-batches of 50 batches, sort each by length, cut into batches, shuffle the
+    batches. The order depends only on `seed` and the epoch.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, drop_last: bool = True):
+        self.lengths, self.batch_size, self.seed, self.drop_last = lengths, batch_size, seed, drop_last
+        self.epoch = 0
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(self.seed + epoch)
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        mega = self.batch_size * 50
+        batches = []
+        for s in range(0, len(order), mega):
+            group = sorted(order[s : s + mega], key=lambda i: -self.lengths[i])
+            batches += [group[k : k + self.batch_size] for k in range(0, len(group), self.batch_size)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        rng.shuffle(batches)
+        return batches
+
+    def __iter__(self):
+        batches = self.batches(self.epoch)
+        self.epoch += 1
+        return iter(batches)
+
+    def __len__(self) -> int:
+        n = len(self.lengths) // self.batch_size
+        return n if self.drop_last else -(-len(self.lengths) // self.batch_size)
+
+
+def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
+    """Padding fraction and loss-bearing tokens per batch for `batches` (lists of indices into `rows`)."""
+    slots = real = loss = 0
+    for b in batches:
+        lens = [len(rows[i].input_ids) for i in b]
+        slots += max(lens) * len(b)
+        real += sum(lens)
+        loss += sum(sum(t != IGNORE_INDEX for t in rows[i].labels[1:]) for i in b)
+    return {
+        "padding_fraction": round(1 - real / slots, 4) if slots else 0.0,
+        "loss_tokens_per_batch": round(loss / len(batches), 1) if batches else 0.0,
+        "batches": len(batches),
+    }
+
+
 class InstructionDataModule(L.LightningDataModule):
-    """Tokenised train / validation splits of instruction data, batched with response-only labels."""
+    """Tokenised train / validation splits, batched with response-only labels (padded, length-grouped or packed)."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0):
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
-        rows = load_examples(cfg)
-        train_rows, val_rows = split_rows(rows, cfg.val_size, cfg.seed)
-        self.train_set, train_stats = self._encode(train_rows)
-        self.val_set, val_stats = self._encode(val_rows)
-        self.stats = {"train": train_stats, "val": val_stats}
+        limit = position_limit(tokenizer)
+        if limit is not None and cfg.max_seq_len > limit:
+            raise ConfigError(
+                f"data.max_seq_len={cfg.max_seq_len} is above the model's position limit ({limit}, "
+                "max_position_embeddings): positions beyond it were never trained and break the model; use "
+                f"data.max_seq_len={limit} or less"
+            )
+        tokenizer_fp = tokenizer_fingerprint(tokenizer)
+        source = read_source(cfg, cfg.path, "data.path")
+        encoded = encode_source(cfg, source, tokenizer, tokenizer_fp)
+        self.encoded_cache_files = [f["filename"] for f in encoded.cache_files]
+        rows = _as_encoded(encoded)
+        usable = usable_rows(cfg, source, encoded)
+        n_bad = len(rows) - len(usable)
+        if cfg.val_path:
+            val_source = read_source(cfg, cfg.val_path, "data.val_path")
+            val_encoded = encode_source(cfg, val_source, tokenizer, tokenizer_fp)
+            val_rows = _as_encoded(val_encoded)
+            val_usable = usable_rows(cfg, val_source, val_encoded)
+            n_bad += len(val_rows) - len(val_usable)
+            train_split, val_split = [rows[i] for i in usable], [val_rows[i] for i in val_usable]
+        else:
+            train_split, val_split = split_rows([rows[i] for i in usable], cfg.val_size, cfg.seed)
+        self.train_set, train_stats = _keep(train_split)
+        self.val_set, val_stats = _keep(val_split)
+        self.stats: dict[str, Any] = {"train": train_stats, "val": val_stats, "bad_rows": n_bad}
         if not self.train_set or not self.val_set:
             raise ConfigError(
                 f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
                 f"(train {len(self.train_set)}, val {len(self.val_set)} kept): raise data.max_seq_len"
             )
+        self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
+        self.stats["train"].update(self.train_batch_stats())
         log.info(
-            "data: %d train / %d val examples (%d truncated, %d dropped with no response left)",
+            "data: %d train / %d val examples (%d truncated, %d dropped with no response left, %d bad rows); "
+            "%.1f loss-bearing tokens per train batch, %.1f%% padding%s",
             len(self.train_set),
             len(self.val_set),
             train_stats["truncated"] + val_stats["truncated"],
             train_stats["dropped"] + val_stats["dropped"],
+            n_bad,
+            self.stats["train"]["loss_tokens_per_batch"],
+            100 * self.stats["train"]["padding_fraction"],
+            f", {len(self.packed)} packed rows" if self.packed is not None else "",
         )
 
-    def _encode(self, rows: list[dict[str, str]]) -> tuple[list[Encoded], dict[str, int]]:
-        kept, truncated, dropped = [], 0, 0
-        for r in rows:
-            enc, was_truncated = encode_example(self.tokenizer, r, self.cfg.max_seq_len, self.cfg.train_on_prompt)
-            truncated += was_truncated
-            if enc is None:
-                dropped += 1
-            else:
-                kept.append(enc)
-        return kept, {"examples": len(rows), "kept": len(kept), "truncated": truncated, "dropped": dropped}
+    def train_batch_stats(self) -> dict[str, float]:
+        """Padding and loss-bearing tokens per batch of one training epoch, as the train loader batches it."""
+        rows = self.packed if self.packed is not None else self.train_set
+        if self.cfg.group_by_length and self.packed is None:
+            batches = LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed).batches(0)
+        else:
+            order = list(range(len(rows)))
+            random.Random(self.cfg.seed).shuffle(order)  # an estimate: padding depends on which rows meet
+            batches = [order[k : k + self.micro_batch_size] for k in range(0, len(order), self.micro_batch_size)]
+        stats = padding_stats(rows, batches)
+        if self.packed is not None:
+            tokens = sum(len(e.input_ids) for e in self.train_set)
+            stats["packed_rows"] = len(self.packed)
+            stats["packing_efficiency"] = round(tokens / (len(self.packed) * self.cfg.max_seq_len), 4)
+        return stats
+
+    def _lengths(self) -> list[int]:
+        return [len(e.input_ids) for e in self.train_set]
 
     def majority_token_accuracy(self) -> float:
         """Accuracy on validation labels of always guessing the most frequent training label: the chance line."""
@@ -167,24 +492,57 @@ class InstructionDataModule(L.LightningDataModule):
         val = [t for e in self.val_set for t in e.labels if t != IGNORE_INDEX]
         return sum(t == top for t in val) / len(val)
 
-    def _loader(self, dataset: list[Encoded], shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.micro_batch_size,
-            shuffle=shuffle,
-            # Seeded so the data order is a function of data.seed alone.
-            generator=torch.Generator().manual_seed(self.cfg.seed) if shuffle else None,
-            collate_fn=functools.partial(collate, pad_id=self.tokenizer.pad_token_id),
-            num_workers=self.num_workers,
-            drop_last=shuffle,
-        )
+    def _collate(self):
+        return functools.partial(collate, pad_id=self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        if self.cfg.group_by_length and self.packed is None:
+            return DataLoader(
+                self.train_set,
+                batch_sampler=LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed),
+                collate_fn=self._collate(),
+                num_workers=self.num_workers,
+            )
+        return DataLoader(
+            self.packed if self.packed is not None else self.train_set,
+            batch_size=self.micro_batch_size,
+            shuffle=True,
+            # Seeded so the data order is a function of data.seed alone.
+            generator=torch.Generator().manual_seed(self.cfg.seed),
+            collate_fn=self._collate(),
+            num_workers=self.num_workers,
+            drop_last=True,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        # Never packed: validation metrics (exact match) are per example, i.e. per row.
+        return DataLoader(
+            self.val_set,
+            batch_size=self.micro_batch_size,
+            shuffle=False,
+            collate_fn=self._collate(),
+            num_workers=self.num_workers,
+        )
+
+
+def _as_encoded(encoded) -> list[Encoded]:
+    cols = encoded.to_dict()
+    return [Encoded(*r) for r in zip(cols["input_ids"], cols["labels"], cols["truncated"], strict=True)]
+
+
+def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
+    """Drop rows whose response was truncated away (empty encodings), counting what happened."""
+    kept = [e for e in split if e.input_ids]
+    return kept, {
+        "examples": len(split),
+        "kept": len(kept),
+        "truncated": sum(e.truncated for e in split),
+        "dropped": len(split) - len(kept),
+        "tokens": sum(len(e.input_ids) for e in kept),
+        "loss_tokens": sum(sum(t != IGNORE_INDEX for t in e.labels[1:]) for e in kept),
+    }
 
 
 def build_datamodule(cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0):
+    """The DataModule for `cfg`: reads, checks and tokenises the data (cached), ready for `trainer.fit`."""
     return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers)

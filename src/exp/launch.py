@@ -2,7 +2,7 @@
 
 Lightning's own launcher re-executes `sys.argv` in each child: under Hydra that re-runs a whole multirun sweep in
 every rank, and each child would compose (and name) its own run directory. Instead, the process that ran the
-preflight writes the resolved config into the run directory and starts one `python -m exp.launch <run dir>` worker
+preflight writes the resolved config into the run directory and starts one `python -m exp.launch worker <run dir>`
 per device with the standard torch.distributed environment; Lightning sees processes created externally and
 only joins them. This process never initialises CUDA. Under torchrun or SLURM (which start the processes
 themselves) nothing is launched: every process runs `exp.train` and joins.
@@ -60,7 +60,7 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
     procs = []
     for rank in range(n):
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, "-m", "exp.launch", str(run_dir)], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "exp.launch", "worker", str(run_dir)], env=env))
     status = 0
     try:
         while procs:
@@ -81,17 +81,36 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
     return status
 
 
-def _worker(run_dir: Path) -> None:
-    from exp.config import ConfigError
-    from exp.train import load_run_config, train
+def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
+    """Run one sweep job (config already in `run_dir/config.yaml`) in a fresh Python process.
 
+    A fresh process per job is the isolation guarantee: no CUDA context, allocator state, W&B run, logging
+    handler or module global of one job can reach the next, whatever the job did (or how it died).
+    """
+    proc = subprocess.run([sys.executable, "-m", "exp.launch", "job", str(run_dir)], env=env or os.environ.copy())
+    return proc.returncode
+
+
+def _main(argv: list[str]) -> None:
+    from exp.config import ConfigError
+    from exp.train import execute, load_run_config, train
+
+    role, run_dir = argv[0], Path(argv[1])
     cfg = load_run_config(run_dir)
     try:
-        train(cfg, run_dir, manage_run_dir=False)
+        if role == "job":
+            execute(cfg, run_dir)
+        else:
+            train(cfg, run_dir, manage_run_dir=False)
     except ConfigError as e:
+        if role == "job":
+            from exp.run_dir import write_status
+
+            write_status(run_dir, "failed", error=str(e))
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    # `python -m exp.launch worker <run dir>`: one rank of a multi-process run; `job <run dir>`: one sweep job.
+    _main(sys.argv[1:])

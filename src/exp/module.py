@@ -109,10 +109,19 @@ class QLoRAModule(L.LightningModule):
         self.log("train/loss", out.loss.detach(), prog_bar=True)
         return out.loss
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # After unscaling and before clipping: the norm the clip threshold is compared with.
+        grads = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.stack(grads).norm())
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+
     def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        self._step_tokens += int(batch["attention_mask"].sum())
+        mask = batch.get("attention_mask")
+        # Packed rows carry no attention mask (and no padding): every position is a real token.
+        self._step_tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches:

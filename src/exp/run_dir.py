@@ -25,6 +25,14 @@ def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
     write_json(run_dir / STATUS_FILE, record)
 
 
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """The run's status record; {} when it has none (never started, or not an exp run)."""
+    try:
+        return json.loads((run_dir / STATUS_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def claim_run_dir(path: Path) -> Path:
     """`path`, or `path_1`, `path_2`, ... if an earlier run already wrote there (two launches in one second)."""
     candidate, n = path, 0

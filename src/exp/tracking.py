@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import netrc
 import os
@@ -69,7 +70,9 @@ def resolve_wandb_mode(cfg: LoggerConfig) -> str:
     return "online" if online_ok else "offline"
 
 
-def build_loggers(cfg: LoggerConfig, output_dir: Path, run_name: str, config: dict[str, Any]) -> list:
+def build_loggers(
+    cfg: LoggerConfig, output_dir: Path, run_name: str, config: dict[str, Any], experiment: str | None = None
+) -> list:
     """Lightning loggers for `logger.kind`; all files stay inside `output_dir`."""
     from lightning.pytorch.loggers import CSVLogger
 
@@ -87,7 +90,8 @@ def build_loggers(cfg: LoggerConfig, output_dir: Path, run_name: str, config: di
                 entity=cfg.entity,
                 name=run_name,
                 group=cfg.group,
-                tags=list(cfg.tags) or None,
+                # The experiment's name joins its tags, so a study's runs can be filtered by recipe.
+                tags=list(dict.fromkeys([*cfg.tags, *([experiment] if experiment else [])])) or None,
                 save_dir=str(output_dir),
                 mode=mode,
                 config=redact(config),
@@ -117,3 +121,88 @@ def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> Non
             artifact = wandb.Artifact(name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model")
             artifact.add_dir(str(adapter_dir))
             logger.experiment.log_artifact(artifact)
+
+
+def _git_state(path: Path) -> dict[str, Any]:
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def data_fingerprint(data_cfg: Any) -> str:
+    """What the examples are: the bytes of the data file(s), or the generator's settings for the embedded task."""
+    import hashlib
+
+    if getattr(data_cfg, "path", None) and Path(data_cfg.path).exists():
+        p = Path(data_cfg.path)
+        return "sha256:" + _sha256_files([f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p])
+    key = json.dumps({"format": str(data_cfg.format.value), "n": data_cfg.num_examples, "seed": data_cfg.seed})
+    return "generated:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Command-line overrides with secret-looking keys (`+wandb.api_key=...`) masked."""
+    out = []
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        out.append(f"{key}={REDACTED}" if sep and SECRET_NAME.search(key.split(".")[-1].lstrip("+~")) else arg)
+    return out
+
+
+def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
+    """Everything needed to tell how a run was made: code, packages, machine, data, tokenizer, command line."""
+    import importlib.metadata as md
+    import platform
+    import sys
+    import tempfile
+
+    import torch
+
+    from exp.run_dir import write_json
+
+    packages = {}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core", "datasets", "wandb"):
+        try:
+            packages[name] = md.version(name)
+        except md.PackageNotFoundError:
+            packages[name] = None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tok_hash = _sha256_files([f for f in Path(tmp).iterdir() if f.is_file()])
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_initialized() else []
+    )
+    manifest = {
+        "command": [sys.executable, *redact_argv(sys.argv)],
+        "git": _git_state(Path(__file__).resolve().parent),
+        "packages": packages,
+        "python": platform.python_version(),
+        "hardware": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "gpus": gpus,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
+        "data_fingerprint": data_fingerprint(data_cfg),
+        "tokenizer_sha256": tok_hash,
+    }
+    write_json(run_dir / "manifest.json", redact(manifest))

@@ -47,7 +47,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
-    from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact
+    from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, write_manifest
     from exp.trainer import build_trainer
 
     quiet_third_party_logs()
@@ -63,9 +63,11 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         tokenizer = build_tokenizer(cfg.model)
         datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
         module = QLoRAModule(cfg)
-        run_name = "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
-        loggers = build_loggers(cfg.logger, output_dir, run_name, config)
+        run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
+        loggers = build_loggers(cfg.logger, output_dir, run_name, config, cfg.experiment_name)
         trainer = build_trainer(cfg, output_dir, loggers)
+        if trainer.is_global_zero:
+            write_manifest(output_dir, tokenizer, cfg.data)
         trainer.fit(module, datamodule=datamodule)
         trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
         adapter_dir = output_dir / "adapter"
@@ -204,7 +206,12 @@ def execute(cfg: TrainConfig, output_dir: Path) -> TrainResult:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(dcfg: DictConfig) -> float:
-    output_dir = claim_run_dir(Path(HydraConfig.get().runtime.output_dir))
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
+    output_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
     try:
         cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
         result = execute(cfg, output_dir)
@@ -213,6 +220,41 @@ def main(dcfg: DictConfig) -> float:
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
+    """One job of a multirun: skipped if it already completed, else run in a fresh process; never raises.
+
+    A failed job is recorded in its status.json and the sweep goes on; the sweep's exit status counts the failures
+    (exp.sweep.SweepStatus). Returns the final validation loss (what sweepers minimise), +inf for a failed job.
+    """
+    from exp.launch import run_job_process
+    from exp.run_dir import read_status
+
+    hydra_cfg = HydraConfig.get()
+    if read_status(job_dir).get("status") == "completed":
+        log.info("sweep: %s already completed, skipped", job_dir.name)
+        return json.loads((job_dir / "summary.json").read_text())["final_val"]["val/loss"]
+    run_dir = claim_run_dir(job_dir)  # an earlier failed attempt keeps its files
+    try:
+        cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
+    except ConfigError as e:
+        write_status(run_dir, "failed", error=str(e))
+        log.error("sweep: %s failed: %s", run_dir.name, e)
+        return float("inf")
+    # W&B: one run per job, named by its overrides, grouped by the sweep.
+    cfg.logger.run_name = cfg.logger.run_name or hydra_cfg.job.override_dirname or run_dir.name
+    cfg.logger.group = cfg.logger.group or Path(hydra_cfg.sweep.dir).name
+    write_run_config(cfg, run_dir)
+    write_status(run_dir, "running")
+    rc = run_job_process(run_dir)
+    status = read_status(run_dir)
+    if rc != 0 or status.get("status") != "completed":
+        if status.get("status") != "failed":  # killed before it could say why
+            write_status(run_dir, "failed", error=f"the job process exited with status {rc}")
+        log.error("sweep: %s failed (exit %s): %s", run_dir.name, rc, read_status(run_dir).get("error", ""))
+        return float("inf")
+    return json.loads((run_dir / "summary.json").read_text())["final_val"]["val/loss"]
 
 
 def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:

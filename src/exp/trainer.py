@@ -8,6 +8,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
 from exp.config import TrainConfig
+from exp.samples import build_sample_callbacks
 
 
 def build_strategy(cfg: TrainConfig):
@@ -84,7 +85,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Traine
         num_sanity_val_steps=-1,
         log_every_n_steps=t.log_every_n_steps,
         logger=loggers or False,
-        callbacks=[checkpoints, TQDMProgressBar(refresh_rate=10)],
+        callbacks=[checkpoints, TQDMProgressBar(refresh_rate=10), *build_sample_callbacks(cfg, output_dir)],
         default_root_dir=str(output_dir),
         enable_model_summary=False,
     )

@@ -1,0 +1,140 @@
+"""`python -m exp.preview [overrides] [n=3]`: the data exactly as the model will see it, before any GPU hour.
+
+Composes the config like `exp.train` (no run directory), builds the tokenizer and the DataModule, prints `n`
+training examples token by token with the loss-free (prompt) tokens marked, and the statistics: examples kept /
+dropped, bad rows, length distribution, truncation rate, loss-bearing fraction, padding, packing efficiency.
+
+Tokens that carry no loss are wrapped in `[[ ]]` (dimmed instead on a colour terminal); everything outside the
+brackets is what the model is trained to produce. Exit status 2 with the message on bad input.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from exp.data import IGNORE_INDEX, InstructionDataModule
+
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+def render_tokens(tokenizer: Any, input_ids: list[int], labels: list[int], color: bool = False) -> str:
+    """The decoded text with runs of loss-free tokens marked: `[[...]]` (plain) or dimmed (colour terminal).
+
+    Token 0 never carries loss (nothing predicts it), so it is always marked, whatever its label.
+    """
+    out: list[str] = []
+    run: list[int] = []
+    run_masked: bool | None = None
+
+    def flush() -> None:
+        if not run:
+            return
+        text = tokenizer.decode(run, skip_special_tokens=False)
+        if run_masked:
+            out.append(f"{DIM}{text}{RESET}" if color else f"[[{text}]]")
+        else:
+            out.append(text)
+
+    for k, (t, lab) in enumerate(zip(input_ids, labels, strict=True)):
+        masked = k == 0 or lab == IGNORE_INDEX
+        if masked != run_masked:
+            flush()
+            run, run_masked = [], masked
+        run.append(t)
+    flush()
+    return "".join(out)
+
+
+def _dist(values: list[int]) -> str:
+    if not values:
+        return "-"
+    q = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else [values[0]] * 19
+    return f"min {min(values)}, median {statistics.median(values):.0f}, p95 {q[18]:.0f}, max {max(values)}"
+
+
+def report(dm: InstructionDataModule, n: int, color: bool = False) -> str:
+    """The preview text: `n` training examples as the model sees them, then the statistics."""
+    cfg, tok = dm.cfg, dm.tokenizer
+    lines = [
+        f"exp.preview: data.format={cfg.format.value} source={cfg.path or cfg.hub_id or 'synthetic'} "
+        f"max_seq_len={cfg.max_seq_len} train_on_prompt={cfg.train_on_prompt} packing={cfg.packing}",
+        "Tokens in [[ ]] carry no loss (prompt, <bos>); the rest is what the model learns to produce.",
+        "",
+    ]
+    for i, e in enumerate(dm.train_set[:n]):
+        n_loss = sum(t != IGNORE_INDEX for t in e.labels[1:])
+        lines += [
+            f"--- example {i} ({len(e.input_ids)} tokens, {n_loss} with loss{', truncated' if e.truncated else ''})",
+            render_tokens(tok, e.input_ids, e.labels, color),
+            "",
+        ]
+    if dm.packed:
+        row = dm.packed[0]
+        starts = [k for k, p in enumerate(row.position_ids) if p == 0]
+        lines += [f"--- packed row 0: {row.n_examples} examples, {len(row.input_ids)} tokens, starts at {starts}", ""]
+    s = dm.stats
+    tr, va = s["train"], s["val"]
+    examples = tr["examples"] + va["examples"]
+    kept = tr["kept"] + va["kept"]
+    truncated = tr["truncated"] + va["truncated"]
+    lengths = [len(e.input_ids) for e in dm.train_set + dm.val_set]
+    tokens = tr["tokens"] + va["tokens"]
+    lines += [
+        "statistics",
+        f"  rows              {examples + s['bad_rows']} ({s['bad_rows']} bad rows skipped)",
+        f"  examples kept     {kept} of {examples} (train {tr['kept']}, val {va['kept']}); "
+        f"dropped {tr['dropped'] + va['dropped']} whose response was truncated away",
+        f"  truncated         {truncated} ({100 * truncated / max(examples, 1):.1f}%) at max_seq_len={cfg.max_seq_len}",
+        f"  length (tokens)   {_dist(lengths)}",
+        f"  loss-bearing      {100 * (tr['loss_tokens'] + va['loss_tokens']) / max(tokens, 1):.1f}% of tokens",
+        f"  per train batch   {tr['loss_tokens_per_batch']} loss-bearing tokens, "
+        f"{100 * tr['padding_fraction']:.1f}% padding (micro-batch {dm.micro_batch_size}"
+        + (", length-grouped" if cfg.group_by_length and not cfg.packing else "")
+        + ")",
+    ]
+    if "packing_efficiency" in tr:
+        lines.append(
+            f"  packing           {tr['packed_rows']} rows of {cfg.max_seq_len} from {tr['kept']} examples, "
+            f"{100 * tr['packing_efficiency']:.1f}% of slots filled"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from exp.config import ConfigError
+    from exp.data import build_datamodule
+    from exp.model import build_tokenizer, quiet_third_party_logs
+    from exp.overrides import check_cli_overrides
+    from exp.train import CONF_DIR, to_typed
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    n = 3
+    for a in [a for a in args if a.startswith("n=")]:
+        args.remove(a)
+        n = int(a[2:])
+    problems = check_cli_overrides(args)
+    if problems:
+        print("exp: error: " + "\n".join(problems), file=sys.stderr)
+        return 2
+    quiet_third_party_logs()
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = to_typed(compose("train", overrides=args), Path.cwd())
+        tokenizer = build_tokenizer(cfg.model)
+        dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0)
+    except ConfigError as e:
+        print(f"exp: error: {e}", file=sys.stderr)
+        return 2
+    print(report(dm, n, color=sys.stdout.isatty()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

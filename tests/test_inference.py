@@ -1,0 +1,266 @@
+"""After training: evaluate, generate, merge (with its parity proof) and the errors of bad input, on the tiny run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from exp.config import ConfigError
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+
+
+def in_process(main, args: list[str], capsys) -> tuple[int, str]:
+    """A command's main() as the CLI runs it: (exit status, stderr)."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def loaded(short_run):
+    from exp.inference import load_run
+
+    return load_run(short_run.output_dir)
+
+
+@pytest.fixture(scope="module")
+def merged(short_run, tmp_path_factory):
+    from exp.merge import merge
+
+    out = tmp_path_factory.mktemp("merged") / "model"
+    return out, merge([f"run={short_run.output_dir}", f"out={out}"])
+
+
+def test_evaluate_reproduces_the_runs_final_validation(short_run):
+    from exp.evaluate import evaluate
+
+    report = evaluate([f"run={short_run.output_dir}"])
+    final = json.loads((short_run.output_dir / "summary.json").read_text())["final_val"]
+    assert report["loss"] == pytest.approx(final["val/loss"], abs=1e-4)
+    assert report["token_accuracy"] == pytest.approx(final["val/token_accuracy"], abs=1e-4)
+    assert report["exact_match"] == pytest.approx(final["val/exact_match"], abs=1e-4)
+    assert report["perplexity"] == pytest.approx(torch.tensor(report["loss"]).exp().item(), rel=1e-6)
+    assert report["examples"] == 40  # 10% of data.num_examples=400
+    assert json.loads((short_run.output_dir / "eval.json").read_text())["loss"] == report["loss"]
+
+
+def test_evaluate_checkpoint_gives_the_adapters_numbers(short_run):
+    from exp.evaluate import evaluate
+
+    ckpts = short_run.output_dir / "checkpoints"
+    last = evaluate([f"ckpt={ckpts / 'last.ckpt'}"])
+    adapter = json.loads((short_run.output_dir / "eval.json").read_text())
+    assert last["loss"] == pytest.approx(adapter["loss"], abs=1e-6)
+    assert (short_run.output_dir / "eval_last.json").exists()  # eval.json keeps the adapter's numbers
+    # The step-15 checkpoint really replaces the adapter weights: a different (higher) loss.
+    mid = evaluate([f"ckpt={ckpts / 'step-000015.ckpt'}"])
+    assert mid["loss"] > last["loss"] + 1e-3
+
+
+def test_greedy_generation_is_a_manual_greedy_decode(loaded):
+    from exp.generate import GenerationOptions, generate_ids, prompt_ids
+
+    prompt, words = "Repeat the words exactly.", "red fox owl cat"
+    opts = GenerationOptions(max_new_tokens=10)
+    got = generate_ids(loaded, prompt, words, opts)
+    assert got == generate_ids(loaded, prompt, words, opts), "greedy decoding is deterministic"
+    ids = torch.tensor([prompt_ids(loaded.tokenizer, prompt, words, "alpaca")])
+    manual = []
+    with torch.no_grad():  # no cache, the whole sequence each time: the definition of greedy decoding
+        for _ in range(10):
+            nxt = int(loaded.model(input_ids=ids).logits[0, -1].argmax())
+            if nxt == loaded.tokenizer.eos_token_id:
+                break
+            manual.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    assert got == manual
+    # The Alpaca prompt is the training encoding: <bos> once, then the template.
+    from exp.data import encode_example
+
+    enc, _ = encode_example(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"}, 128, False)
+    first_label = next(i for i, t in enumerate(enc.labels) if t != -100)
+    assert prompt_ids(loaded.tokenizer, prompt, words, "alpaca") == enc.input_ids[:first_label]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_chat_template_has_one_bos(loaded):
+    from exp.generate import GenerationOptions, generate_ids, prompt_ids
+
+    opts = GenerationOptions(max_new_tokens=12, do_sample=True, temperature=1.0, top_p=0.9, seed=7)
+    a = generate_ids(loaded, "Repeat the words exactly.", "sun moon", opts)
+    assert a == generate_ids(loaded, "Repeat the words exactly.", "sun moon", opts)
+    chat = prompt_ids(loaded.tokenizer, "hi", "", "chat")
+    assert chat.count(loaded.tokenizer.bos_token_id) == 1 and chat[0] == loaded.tokenizer.bos_token_id
+    assert loaded.tokenizer.decode(chat).endswith("<start_of_turn>model\n")
+    with pytest.raises(ConfigError, match="template=jinja"):
+        GenerationOptions(template="jinja")
+
+
+def test_generate_command_streams_the_greedy_answer(short_run, loaded, capsys):
+    from exp.generate import generate_text, main
+
+    expected = generate_text(loaded, "Repeat the words exactly.", "red fox")
+    capsys.readouterr()
+    main([f"run={short_run.output_dir}", "prompt=Repeat the words exactly.", "input=red fox"])  # exits 0: returns
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def test_merged_checkpoint_loads_with_plain_transformers_and_matches(short_run, merged, loaded, tmp_path):
+    out, report = merged
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity == json.loads(json.dumps(report))
+    assert parity["ok"] and parity["tied_embeddings"].startswith("tied")
+    q = parity["quantized_vs_merged"]
+    assert {"kl_mean", "perplexity_reference", "perplexity_other"} <= q.keys()
+    # base=dequantized: the merged model computes what the 4-bit model + adapter computed.
+    assert q["kl_mean"] < 1e-6 and q["top1_agreement"] == 1.0
+    assert parity["merge"]["max_abs_logit_diff_vs_unmerged"] < 1e-4
+
+    # Plain transformers in a fresh interpreter: no exp, PEFT or bitsandbytes import.
+    ids = torch.tensor([[2, 40, 41, 42, 43, 44, 45, 46, 47, 48]])
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r})\n"
+        "assert m.get_output_embeddings().weight is m.get_input_embeddings().weight\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        f"torch.save(m(input_ids=ids).logits.detach(), {str(tmp_path / 'logits.pt')!r})\n"
+        "assert not any(k == 'exp' or k.startswith(('exp.', 'peft', 'bitsandbytes')) for k in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plain = torch.load(tmp_path / "logits.pt")
+
+    # The reference: the same dequantized base with the adapter unmerged (LoRA applied at every forward).
+    from exp.inference import load_adapter, load_base, run_config
+
+    cfg = run_config(short_run.output_dir, torch.device("cpu"))
+    base = load_base(cfg, short_run.output_dir, torch.device("cpu")).dequantize(dtype=torch.float32)
+    unmerged = load_adapter(base, short_run.output_dir / "adapter")
+    with torch.no_grad():
+        ref = unmerged(input_ids=ids).logits
+        quantized = loaded.model(input_ids=ids).logits
+    torch.testing.assert_close(plain, ref, atol=1e-4, rtol=0)
+    # vs the 4-bit model + adapter: the 4-bit kernel dequantizes block by block; 1e-3 covers its round-off.
+    torch.testing.assert_close(plain, quantized, atol=1e-3, rtol=0)
+
+
+def test_merge_into_the_original_weights_reports_the_quantization_gap(short_run, tmp_path):
+    from exp.merge import merge
+
+    report = merge([f"run={short_run.output_dir}", f"out={tmp_path / 'orig'}", "base=original", "examples=8"])
+    assert report["ok"] and report["merge"]["max_abs_logit_diff_vs_unmerged"] < 1e-4
+    # The adapter learned against the 4-bit weights: against the original ones the answers drift measurably.
+    assert report["quantized_vs_merged"]["kl_mean"] > 1e-4
+
+
+def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = cli("exp.merge", f"run={short_run.output_dir}", f"out={out}")
+    assert r.returncode == 2
+    assert "exp: error:" in r.stderr and "not empty" in r.stderr and "overwrite=true" in r.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+    from exp.merge import main
+
+    code, _ = in_process(main, [f"run={short_run.output_dir}", f"out={out}", "overwrite=true", "examples=2"], capsys)
+    assert code == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert not (tmp_path / ".taken.partial").exists()
+
+
+def copy_run(run_dir: Path, dest: Path, adapter: bool = True) -> Path:
+    dest.mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", dest / "config.yaml")
+    if adapter:
+        shutil.copytree(run_dir / "adapter", dest / "adapter")
+    return dest
+
+
+def test_run_dir_without_adapter_fails_clearly(short_run, tmp_path):
+    run = copy_run(short_run.output_dir, tmp_path / "noadapter", adapter=False)
+    r = cli("exp.evaluate", f"run={run}")
+    assert r.returncode == 2
+    assert "no adapter" in r.stderr and "adapter_model.safetensors" in r.stderr and "completed run" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_run_dir_fails_clearly(tmp_path):
+    r = cli("exp.generate", f"run={tmp_path / 'nope'}", "prompt=hi")
+    assert r.returncode == 2
+    assert "no such directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_adapter_for_another_architecture_fails_clearly(short_run, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    run = copy_run(short_run.output_dir, tmp_path / "foreign")
+    weights = run / "adapter" / "adapter_model.safetensors"
+    # An adapter trained on a model of hidden size 64: LoRA A maps 64 -> r, B maps r -> 64-ish.
+    tensors = {k: torch.zeros(v.shape[0], 64) if "lora_A" in k else v for k, v in load_file(weights).items()}
+    save_file(tensors, weights)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/models/other-gemma-h64"
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+
+    from exp.evaluate import main
+
+    code, err = in_process(main, [f"run={run}"], capsys)
+    assert code == 2
+    assert "does not fit this base model" in err and "/models/other-gemma-h64" in err and "size mismatch" in err
+
+
+def test_missing_base_model_fails_clearly(short_run, tmp_path, capsys):
+    run = copy_run(short_run.output_dir, tmp_path / "movedbase")
+    text = (run / "config.yaml").read_text().replace("path: null", f"path: {tmp_path / 'gone'}", 1)
+    (run / "config.yaml").write_text(text)
+
+    from exp.merge import main
+
+    code, err = in_process(main, [f"run={run}", f"out={tmp_path / 'm'}"], capsys)
+    assert code == 2
+    assert "base model of run" in err and "no config.json" in err and "model.path=<dir>" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_bad_arguments_name_the_key(short_run, capsys):
+    from exp.generate import main
+
+    code, err = in_process(main, [f"run={short_run.output_dir}", "promt=hi"], capsys)
+    assert code == 2 and "unknown argument 'promt'" in err and "prompt" in err
+    code, err = in_process(main, [f"run={short_run.output_dir}", "prompt=hi", "max_new_tokens=many"], capsys)
+    assert code == 2 and "max_new_tokens=many" in err
+
+
+def test_lm_eval_without_the_package_says_how_to_install(short_run, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is not None:
+        pytest.skip("lm_eval is installed")
+    from exp.evaluate import main
+
+    code, err = in_process(main, [f"run={short_run.output_dir}", "lm_eval=hellaswag", "name=lm"], capsys)
+    assert code == 2 and "pip install lm-eval" in err
+
+
+def test_training_writes_samples_at_every_validation(short_run):
+    text = (short_run.output_dir / "samples.txt").read_text()
+    steps = [int(line.split()[2]) for line in text.splitlines() if line.startswith("=== step")]
+    assert steps == [0, 15, 30]  # the final validation repeats step 30 and is not written twice
+    assert text.count("[3] prompt: '### Instruction:\\nRepeat the words exactly.") == 3
+    assert text.count("    answer: ") == 9
