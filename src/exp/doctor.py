@@ -49,27 +49,14 @@ def report_environment(env) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     from exp.config import ConfigError, QuantType
     from exp.memory import estimate_for_config
-    from exp.overrides import check_cli_overrides
     from exp.preflight import PREFLIGHT_EXIT, check, probe_environment
-    from exp.train import CONF_DIR, to_typed
+    from exp.train import compose_config
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    problems = check_cli_overrides(args)
-    if problems:
-        print("exp: error: " + "\n".join(problems), file=sys.stderr)
-        return 2
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = to_typed(compose("train", overrides=args), CONF_DIR.parent)
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
+        cfg = compose_config(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         return 2
     # The doctor always looks at the GPUs, whatever the config asks for.

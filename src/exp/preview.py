@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 from exp.data import IGNORE_INDEX, InstructionDataModule
@@ -104,29 +103,19 @@ def report(dm: InstructionDataModule, n: int, color: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     from exp.config import ConfigError
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
-    from exp.overrides import check_cli_overrides
-    from exp.train import CONF_DIR, to_typed
+    from exp.train import compose_config
 
     args = list(sys.argv[1:] if argv is None else argv)
     n = 3
     for a in [a for a in args if a.startswith("n=")]:
         args.remove(a)
         n = int(a[2:])
-    problems = check_cli_overrides(args)
-    if problems:
-        print("exp: error: " + "\n".join(problems), file=sys.stderr)
-        return 2
     quiet_third_party_logs()
     try:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = to_typed(compose("train", overrides=args), Path.cwd())
+        cfg = compose_config(args)
         tokenizer = build_tokenizer(cfg.model)
         dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0)
     except ConfigError as e:

@@ -257,15 +257,31 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val"]["val/loss"]
 
 
-def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
-    """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
+def compose_config(overrides: list[str], launch_dir: Path | None = None) -> TrainConfig:
+    """The typed config `python -m exp.train <overrides>` would run, composed without a run directory.
+
+    Unknown keys, bad values and failed cross-field checks raise one ConfigError (the CLI's messages).
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
+    problems = check_cli_overrides(overrides)
+    if problems:
+        raise ConfigError("\n".join(problems))
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        dcfg = compose(config_name="train", overrides=list(overrides or []))
-    cfg = to_typed(dcfg, Path.cwd())
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            dcfg = compose(config_name="train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e)) from e
+    return to_typed(dcfg, launch_dir or Path.cwd())
+
+
+def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
+    """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
+    cfg = compose_config(list(overrides or []))
     out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
     return execute(cfg, out)
 
