@@ -483,3 +483,17 @@ def test_cli_cross_field_error_marks_run_failed(tmp_path: Path):
 def test_accumulate_grad_batches(overrides: list[str], expected: int):
     cfg = typed(overrides)
     assert cfg.accumulate_grad_batches == expected
+
+
+def test_run_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", f"hydra.run.dir={target}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "is an existing file" in proc.stderr and "Traceback" not in proc.stderr
+    assert target.read_text() == "keep me"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from pathlib import Path
 
 from exp.config import TrainConfig
 
@@ -24,7 +25,13 @@ def check_cli_overrides(args: list[str]) -> list[str]:
     for arg in args:
         if arg.startswith(("-", "+", "~")) or "=" not in arg:
             continue
-        key = arg.split("=", 1)[0]
+        key, value = arg.split("=", 1)
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and Path(value.strip("'\"")).is_file():
+            problems.append(
+                f"'{arg}': {value} is an existing file, not a directory: a run directory cannot be created there. "
+                f"Pass a new directory, e.g. {key}={value}_run."
+            )
+            continue
         parts = key.split(".")
         if parts[0] == "hydra" or len(parts) < 2 or "@" in key:
             continue  # group choices (model=...) are checked by Hydra, which lists the options
