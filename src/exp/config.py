@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
@@ -360,7 +359,6 @@ def register_configs() -> None:
 
 
 __all__ = [
-    "MISSING",
     "Accelerator",
     "BadRows",
     "ConfigError",
