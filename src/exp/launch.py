@@ -91,6 +91,19 @@ def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
     return proc.returncode
 
 
+def _close_process_group() -> None:
+    """Tear the process group down before the interpreter exits.
+
+    Left to interpreter shutdown, gloo's background threads can be destroyed while still joinable, and the C++
+    runtime aborts the worker ("terminate called without an active exception", status -6) after a run that
+    otherwise finished and wrote everything.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _main(argv: list[str]) -> None:
     from exp.config import ConfigError
     from exp.train import execute, load_run_config, train
@@ -101,7 +114,10 @@ def _main(argv: list[str]) -> None:
         if role == "job":
             execute(cfg, run_dir)
         else:
-            train(cfg, run_dir, manage_run_dir=False)
+            try:
+                train(cfg, run_dir, manage_run_dir=False)
+            finally:
+                _close_process_group()
     except ConfigError as e:
         if role == "job":
             from exp.run_dir import write_status
