@@ -66,6 +66,11 @@ class Optimizer(str, Enum):
     paged_adamw_8bit = "paged_adamw_8bit"  # the same with 8-bit state (GPU)
 
 
+class NonFinite(str, Enum):
+    stop = "stop"  # stop the run at the first NaN/Inf loss or gradient, naming the step and the last good checkpoint
+    skip = "skip"  # drop that step's update (weights and optimizer state untouched), up to max_skipped_steps in all
+
+
 class DataFormat(str, Enum):
     synthetic = "synthetic"  # generated, embedded default
     alpaca = "alpaca"  # {instruction, input, output}
@@ -215,6 +220,15 @@ class TrainerConfig:
     sample_count: int = 3  # 0 (with no sample_prompts): no samples
     sample_max_new_tokens: int = 24
     checkpoint_every_n_steps: int = 100
+    # Periodic checkpoints kept (the newest K; `last.ckpt` and the best by val/loss are kept besides).
+    keep_last_checkpoints: int = 3
+    # null: a fresh run. "auto": continue the newest run with this config from its last checkpoint (a fresh run if
+    # there is none). A run directory or a .ckpt file: continue from it.
+    resume: str | None = None
+    # A corrupt or truncated checkpoint stops the resume with an error; true: fall back to the newest intact one.
+    resume_fallback: bool = False
+    on_nonfinite: NonFinite = NonFinite.stop
+    max_skipped_steps: int = 10  # with on_nonfinite=skip: stop once more steps than this were skipped
     log_every_n_steps: int = 5
     seed: int = 0
 
@@ -328,6 +342,10 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
     if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:
         p.append("trainer.val_every_n_steps, checkpoint_every_n_steps and log_every_n_steps must be >= 1")
+    if t.keep_last_checkpoints < 1:
+        p.append(f"trainer.keep_last_checkpoints={t.keep_last_checkpoints}: must be >= 1 (the newest is what resumes)")
+    if t.max_skipped_steps < 0:
+        p.append(f"trainer.max_skipped_steps={t.max_skipped_steps}: must be >= 0")
     if d.format != DataFormat.synthetic and not (d.path or d.hub_id):
         p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory> or data.hub_id=<name>")
     if d.max_seq_len < 8:
