@@ -359,6 +359,18 @@ def collate(examples: list[Encoded | Packed], pad_id: int) -> dict[str, torch.Te
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def epoch_rng(seed: int, epoch: int) -> random.Random:
+    """The random source of one epoch's data order: a function of (seed, epoch) only, so any epoch is replayable."""
+    return random.Random(f"exp-data-order-{seed}-{epoch}")
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of full batches in a seeded random order (the last, partial batch is dropped)."""
+    order = list(range(n))
+    epoch_rng(seed, epoch).shuffle(order)
+    return [order[k : k + batch_size] for k in range(0, n - batch_size + 1, batch_size)]
+
+
 class LengthGroupedBatchSampler(Sampler[list[int]]):
     """Batches of similar-length examples in a seeded random order (less padding than random batches).
 
@@ -371,7 +383,7 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         self.epoch = 0
 
     def batches(self, epoch: int) -> list[list[int]]:
-        rng = random.Random(self.seed + epoch)
+        rng = epoch_rng(self.seed, epoch)
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
         mega = self.batch_size * 50
@@ -392,6 +404,54 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         n = len(self.lengths) // self.batch_size
         return n if self.drop_last else -(-len(self.lengths) // self.batch_size)
+
+
+class TrainStream(Sampler[list[int]]):
+    """Every micro-batch one rank trains on, epoch after epoch without end, from any position.
+
+    The global sequence is epoch 0's batches, then epoch 1's, ... (`epoch_batches(e)`, a pure function of e);
+    rank r of w takes global batches r, r + w, r + 2w, ... A run is counted in optimiser steps, not epochs, so the
+    loader never ends (Lightning stops at max_steps) and every optimiser step takes exactly the same number of
+    micro-batches. `start` is how many micro-batches this rank has already trained on: a resumed run passes the
+    count its checkpoint recorded and continues mid-epoch with exactly the batch it would have seen next.
+    """
+
+    def __init__(self, epoch_batches, rank: int = 0, world_size: int = 1, start: int = 0):
+        self.epoch_batches, self.rank, self.world_size, self.start = epoch_batches, rank, world_size, start
+        self.batches_per_epoch = len(epoch_batches(0))
+        if self.batches_per_epoch < world_size:
+            raise ConfigError(
+                f"the training split has {self.batches_per_epoch} full micro-batches per epoch, fewer than the "
+                f"{world_size} data-parallel processes: lower hardware.micro_batch_size or use more data"
+            )
+
+    def position(self, consumed: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of the next global batch after `consumed` on this rank."""
+        return divmod(consumed * self.world_size + self.rank, self.batches_per_epoch)
+
+    def __iter__(self):
+        consumed = self.start
+        epoch, cached = -1, []
+        while True:
+            e, i = self.position(consumed)
+            if e != epoch:
+                epoch, cached = e, self.epoch_batches(e)
+            yield cached[i]
+            consumed += 1
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r of w takes examples r, r + w, ...: every example evaluated exactly once across ranks, none repeated
+    (Lightning's DistributedSampler pads with repeats, which would count some examples twice in summed metrics)."""
+
+    def __init__(self, n: int, rank: int = 0, world_size: int = 1):
+        self.indices = list(range(rank, n, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
@@ -465,13 +525,7 @@ class InstructionDataModule(L.LightningDataModule):
     def train_batch_stats(self) -> dict[str, float]:
         """Padding and loss-bearing tokens per batch of one training epoch, as the train loader batches it."""
         rows = self.packed if self.packed is not None else self.train_set
-        if self.cfg.group_by_length and self.packed is None:
-            batches = LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed).batches(0)
-        else:
-            order = list(range(len(rows)))
-            random.Random(self.cfg.seed).shuffle(order)  # an estimate: padding depends on which rows meet
-            batches = [order[k : k + self.micro_batch_size] for k in range(0, len(order), self.micro_batch_size)]
-        stats = padding_stats(rows, batches)
+        stats = padding_stats(rows, self.train_epoch_batches(0))
         if self.packed is not None:
             tokens = sum(len(e.input_ids) for e in self.train_set)
             stats["packed_rows"] = len(self.packed)
@@ -495,33 +549,50 @@ class InstructionDataModule(L.LightningDataModule):
     def _collate(self):
         return functools.partial(collate, pad_id=self.tokenizer.pad_token_id)
 
-    def train_dataloader(self) -> DataLoader:
+    def resume_at(self, batches_seen: int) -> None:
+        """Start the training stream after `batches_seen` micro-batches (per rank): set by a resumed checkpoint."""
+        self.start_batch = batches_seen
+
+    def _rank(self) -> tuple[int, int]:
+        """This process's data-parallel rank and the number of ranks (0, 1 outside a Trainer)."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
         if self.cfg.group_by_length and self.packed is None:
-            return DataLoader(
-                self.train_set,
-                batch_sampler=LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed),
-                collate_fn=self._collate(),
-                num_workers=self.num_workers,
-            )
+            return LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed).batches(epoch)
+        rows = self.packed if self.packed is not None else self.train_set
+        return shuffled_batches(len(rows), self.micro_batch_size, self.cfg.seed, epoch)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full micro-batches in one pass over the training split (all ranks together)."""
+        return len(self.train_epoch_batches(0))
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank()
+        stream = TrainStream(self.train_epoch_batches, rank, world, start=getattr(self, "start_batch", 0))
         return DataLoader(
             self.packed if self.packed is not None else self.train_set,
-            batch_size=self.micro_batch_size,
-            shuffle=True,
-            # Seeded so the data order is a function of data.seed alone.
-            generator=torch.Generator().manual_seed(self.cfg.seed),
+            batch_sampler=stream,
             collate_fn=self._collate(),
             num_workers=self.num_workers,
-            drop_last=True,
+            # The loader's own generator seeds its workers: iterating it never draws from the global RNG, so a
+            # resumed run's dropout masks (global RNG, restored from the checkpoint) match the uninterrupted run's.
+            generator=torch.Generator().manual_seed(self.cfg.seed),
         )
 
     def val_dataloader(self) -> DataLoader:
         # Never packed: validation metrics (exact match) are per example, i.e. per row.
+        rank, world = self._rank()
         return DataLoader(
             self.val_set,
             batch_size=self.micro_batch_size,
-            shuffle=False,
+            sampler=ShardSampler(len(self.val_set), rank, world),
             collate_fn=self._collate(),
             num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.cfg.seed),
         )
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from exp.config import Strategy, TrainConfig
+from exp.preemption import REQUEUE_EXIT, SIGNALS
 
 
 def externally_launched() -> bool:
@@ -62,6 +63,9 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank))
         procs.append(subprocess.Popen([sys.executable, "-m", "exp.launch", "worker", str(run_dir)], env=env))
     status = 0
+    # A scheduler's SIGTERM / SIGUSR1 (preemption) goes to this process: pass it on, so that every worker
+    # checkpoints at the same step and exits for a requeue.
+    forward = {sig: signal.signal(sig, lambda signum, _: [p.send_signal(signum) for p in procs]) for sig in SIGNALS}
     try:
         while procs:
             for p in list(procs):
@@ -71,13 +75,17 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
                 procs.remove(p)
                 if rc != 0 and status == 0:
                     status = rc
-                    for other in procs:  # one rank failed: the others would wait forever in a collective
-                        other.send_signal(signal.SIGTERM)
+                    if rc != REQUEUE_EXIT:  # one rank failed: the others would wait forever in a collective
+                        for other in procs:
+                            other.kill()
             time.sleep(0.2)
     except KeyboardInterrupt:
         for p in procs:
             p.send_signal(signal.SIGINT)
         raise
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
     return status
 
 
@@ -106,25 +114,25 @@ def _close_process_group() -> None:
 
 def _main(argv: list[str]) -> None:
     from exp.config import ConfigError
-    from exp.train import execute, load_run_config, train
+    from exp.train import execute, exit_on_known_error, load_run_config, train
 
     role, run_dir = argv[0], Path(argv[1])
     cfg = load_run_config(run_dir)
     try:
         if role == "job":
-            execute(cfg, run_dir)
+            execute(cfg, run_dir, Path.cwd())
         else:
             try:
                 train(cfg, run_dir, manage_run_dir=False)
             finally:
                 _close_process_group()
-    except ConfigError as e:
-        if role == "job":
+    except BaseException as e:
+        if role == "job" and isinstance(e, ConfigError):
             from exp.run_dir import write_status
 
             write_status(run_dir, "failed", error=str(e))
-        print(f"exp: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_known_error(e)
+        raise
 
 
 if __name__ == "__main__":

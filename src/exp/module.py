@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from exp.config import Optimizer, Schedule, TrainConfig, TrainerConfig
+from exp.config import NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
 from exp.data import IGNORE_INDEX
+from exp.faults import NonFiniteError
 from exp.model import build_model
+
+log = logging.getLogger("exp.module")
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) -> float:
@@ -68,6 +74,37 @@ def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter]) -> torch
     return paged[t.optimizer](params, **kwargs)
 
 
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """Every random state training draws from (dropout: torch's, on the CPU or the GPU), as plain types."""
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _as_tuples(x: Any) -> Any:
+    """random.setstate wants the tuples random.getstate gave (a checkpoint round trip may turn them into lists)."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+
+
 class QLoRAModule(L.LightningModule):
     """Fine-tunes the LoRA adapters of a frozen (4-bit) causal LM.
 
@@ -88,6 +125,15 @@ class QLoRAModule(L.LightningModule):
         self._step_started: float | None = None
         self._step_tokens = 0
         self.step_tokens_per_s: list[float] = []
+        # Resume state (saved in every checkpoint under "exp"): micro-batches this rank has trained on (the data
+        # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
+        self.batches_seen = 0
+        self.skipped_steps = 0
+        self.tracking_ids: dict[str, str] = {}
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._loss_finite = True
+        # Where to go back to after a NaN (train() points it at the run's checkpoints): named in the message.
+        self.last_good_checkpoint: Callable[[], str | None] = lambda: None
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this again (fit after validate): load once
@@ -106,17 +152,57 @@ class QLoRAModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.model(**batch)
-        self.log("train/loss", out.loss.detach(), prog_bar=True)
+        loss = out.loss.detach()
+        self._loss_finite = self._loss_finite and bool(torch.isfinite(loss))
+        self.log("train/loss", loss, prog_bar=True)
         return out.loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # After unscaling and before clipping: the norm the clip threshold is compared with.
         grads = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.stack(grads).norm())
+        norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
         self.log("train/lr", optimizer.param_groups[0]["lr"])
+        # fp16's loss scaler skips steps with inf gradients itself (and lowers the scale): only the loss counts there.
+        check_grads = self.trainer.precision not in ("16-mixed", "16")
+        bad = torch.tensor(
+            float(not self._loss_finite or (check_grads and not torch.isfinite(norm))), device=norm.device
+        )
+        self._loss_finite = True
+        if self.trainer.world_size > 1:  # the loss differs per rank; every rank must take the same decision
+            bad = self.trainer.strategy.reduce(bad, reduce_op="max")
+        if bad.item():
+            self._non_finite_step(optimizer)
+            return
+        if grads:
+            self.log("train/grad_norm", norm)
+
+    def _non_finite_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the update (weights and optimizer state untouched) or stop, as trainer.on_nonfinite says."""
+        t, step = self.cfg.trainer, self.trainer.global_step + 1
+        good = self.last_good_checkpoint()
+        where = f"the last good checkpoint is {good}" if good else "there is no checkpoint yet"
+        if t.on_nonfinite == NonFinite.skip and self.skipped_steps < t.max_skipped_steps:
+            self.skipped_steps += 1
+            # AdamW leaves parameters without a gradient alone, moments included.
+            optimizer.zero_grad(set_to_none=True)
+            self.log("train/skipped_steps", float(self.skipped_steps))
+            log.warning("step %d: NaN/Inf loss or gradients, update skipped (%d so far)", step, self.skipped_steps)
+            return
+        limit = (
+            f" after {self.skipped_steps} skipped steps (trainer.max_skipped_steps={t.max_skipped_steps})"
+            if t.on_nonfinite == NonFinite.skip
+            else ""
+        )
+        raise NonFiniteError(
+            f"step {step}: the loss or the gradients are NaN/Inf{limit}; {where}. Training stopped before the bad "
+            "update, and no adapter was saved as final. Lower trainer.learning_rate or raise trainer.warmup_steps "
+            "and resume with trainer.resume=<that checkpoint>, or set trainer.on_nonfinite=skip to drop such steps."
+        )
 
     def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        # Counted when a batch starts, so a checkpoint written at its end (or after the validation that follows)
+        # counts it as consumed.
+        self.batches_seen += 1
         if self._step_started is None:
             self._step_started = time.perf_counter()
         mask = batch.get("attention_mask")
@@ -176,6 +262,10 @@ class QLoRAModule(L.LightningModule):
         # Lightning restores the modes modules had before validation; make sure training mode (dropout,
         # gradient checkpointing) is what the adapters train in, whatever ran before.
         self.model.train()
+        if self._rng_to_restore is not None:
+            # The last thing before the first resumed step, so no draw in between (loading, setup) shifts it.
+            restore_rng(self._rng_to_restore, self.device)
+            self._rng_to_restore = None
 
     def configure_optimizers(self):
         t = self.cfg.trainer
@@ -231,3 +321,20 @@ class QLoRAModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["exp"] = {
+            "batches_seen": self.batches_seen,
+            "skipped_steps": self.skipped_steps,
+            "initial_val": self.initial_val,
+            "tracking_ids": dict(self.tracking_ids),
+            "rng": capture_rng(self.device),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["exp"]
+        self.batches_seen = state["batches_seen"]
+        self.skipped_steps = state["skipped_steps"]
+        self.initial_val = state["initial_val"]
+        self._rng_to_restore = state["rng"]
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None:  # continue the data stream right after the last batch trained on
+            datamodule.resume_at(self.batches_seen)

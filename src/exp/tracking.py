@@ -70,10 +70,25 @@ def resolve_wandb_mode(cfg: LoggerConfig) -> str:
     return "online" if online_ok else "offline"
 
 
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id, chosen by exp so that checkpoints can carry it (and a resumed run reuse it)."""
+    from wandb.sdk.lib.runid import generate_id
+
+    return generate_id()
+
+
 def build_loggers(
-    cfg: LoggerConfig, output_dir: Path, run_name: str, config: dict[str, Any], experiment: str | None = None
+    cfg: LoggerConfig,
+    output_dir: Path,
+    run_name: str,
+    config: dict[str, Any],
+    experiment: str | None = None,
+    wandb_run_id: str | None = None,
 ) -> list:
-    """Lightning loggers for `logger.kind`; all files stay inside `output_dir`."""
+    """Lightning loggers for `logger.kind`; all files stay inside `output_dir`.
+
+    `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
+    """
     from lightning.pytorch.loggers import CSVLogger
 
     if cfg.kind == LoggerKind.none:
@@ -97,19 +112,26 @@ def build_loggers(
                 config=redact(config),
                 log_model=False,
                 anonymous="never",
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
             )
         )
         log.info("W&B: %s run in %s", mode, output_dir / "wandb")
     return loggers
 
 
-def finish_loggers(loggers: list, ok: bool) -> None:
-    """Close the W&B run even when training failed, so the next run in this process starts clean."""
+def finish_loggers(loggers: list, ok: bool, preempted: bool = False) -> None:
+    """Close the W&B run even when training failed, so the next run in this process starts clean.
+
+    A preempted run is marked so in W&B (it will continue under the same id).
+    """
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger":
             import wandb
 
             if wandb.run is not None:
+                if preempted:
+                    wandb.run.mark_preempting()
                 wandb.finish(exit_code=0 if ok else 1)
 
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -40,14 +41,16 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter) under `output_dir`.
 
     `cfg` is expected to have passed the preflight (hardware resolved). With `manage_run_dir=False` (the workers
-    of a multi-process run) the launching process owns config.yaml and status.json.
+    of a multi-process run) the launching process owns config.yaml and status.json. A `resume.json` in
+    `output_dir` (written by `execute`) names the checkpoint to continue from.
     """
     import lightning as L
 
+    from exp.checkpoints import read_checkpoint
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
-    from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, write_manifest
+    from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
     from exp.trainer import build_trainer
 
     quiet_third_party_logs()
@@ -56,20 +59,34 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     if manage_run_dir:
         write_run_config(cfg, output_dir)
         write_status(output_dir, "running")
+    resume = read_resume_record(output_dir)
     loggers: list = []
-    ok = False
+    ok = preempted = False
     try:
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
         tokenizer = build_tokenizer(cfg.model)
         datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
         module = QLoRAModule(cfg)
+        checkpoint = Path(resume["checkpoint"]) if resume else None
+        if checkpoint:
+            module.tracking_ids = dict(read_checkpoint(checkpoint)["exp"]["tracking_ids"])
+        if cfg.logger.kind.value == "wandb":
+            module.tracking_ids.setdefault("wandb", new_wandb_run_id())
+        module.last_good_checkpoint = functools.partial(_last_good_checkpoint, output_dir, checkpoint)
         run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
-        loggers = build_loggers(cfg.logger, output_dir, run_name, config, cfg.experiment_name)
-        trainer = build_trainer(cfg, output_dir, loggers)
+        loggers = build_loggers(
+            cfg.logger, output_dir, run_name, config, cfg.experiment_name, module.tracking_ids.get("wandb")
+        )
+        trainer = build_trainer(cfg, output_dir, loggers, resuming=checkpoint is not None)
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)
-        trainer.fit(module, datamodule=datamodule)
-        trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
+        except torch_oom() as e:
+            from exp.faults import oom_diagnosis
+
+            raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
         adapter_dir = output_dir / "adapter"
         result = TrainResult(
             output_dir,
@@ -95,6 +112,9 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
                 "world_size": trainer.world_size,
                 "replica_adapter_checksums": replicas_agree,
                 "placement_per_rank": placements,
+                "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
+                "skipped_steps": module.skipped_steps,
+                "resumed_from": resume,
                 "data": datamodule.stats,
             }
             write_json(output_dir / "summary.json", summary)
@@ -104,13 +124,38 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         ok = True
         return result
     except BaseException as e:
+        from exp.preemption import Preempted
+
+        preempted = isinstance(e, Preempted)
         if manage_run_dir:
-            write_status(output_dir, "failed", error=f"{type(e).__name__}: {e}")
+            write_status(output_dir, "preempted" if preempted else "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
-        finish_loggers(loggers, ok)
+        finish_loggers(loggers, ok, preempted)
         if ok and manage_run_dir:
             write_status(output_dir, "completed")
+
+
+def torch_oom() -> type[BaseException]:
+    import torch
+
+    return torch.OutOfMemoryError
+
+
+def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | None:
+    """The newest checkpoint this run (or the run it continues) has on disk: where to go back to."""
+    from exp.checkpoints import candidates
+
+    found = candidates(output_dir)
+    return str(found[0]) if found else (str(resumed_from) if resumed_from else None)
+
+
+RESUME_RECORD = "resume.json"
+
+
+def read_resume_record(run_dir: Path) -> dict | None:
+    path = run_dir / RESUME_RECORD
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def config_dict(cfg: TrainConfig) -> dict:
@@ -168,9 +213,20 @@ def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
     return resolve_paths(cfg, launch_dir)
 
 
-def execute(cfg: TrainConfig, output_dir: Path) -> TrainResult:
+def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None:
+    """Find the checkpoint `trainer.resume` asks for and record it in `resume.json` (every worker reads it)."""
+    from exp.resume import resolve
+
+    point = resolve(cfg, config_dict(cfg), output_dir, launch_dir)
+    if point is not None:
+        record = {"checkpoint": str(point.checkpoint), "run": str(point.run_dir), "step": point.step}
+        write_json(output_dir / RESUME_RECORD, record)
+
+
+def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
     """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
     from exp.launch import launch_workers, needs_launch
+    from exp.preemption import REQUEUE_EXIT
     from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
 
     check = run_preflight(cfg)
@@ -182,6 +238,7 @@ def execute(cfg: TrainConfig, output_dir: Path) -> TrainResult:
         print(message, file=sys.stderr)
         sys.exit(PREFLIGHT_EXIT)
     cfg = check.cfg
+    prepare_resume(cfg, output_dir, launch_dir or Path.cwd())
     if not needs_launch(cfg):
         return train(cfg, output_dir)
     write_run_config(cfg, output_dir)
@@ -189,6 +246,9 @@ def execute(cfg: TrainConfig, output_dir: Path) -> TrainResult:
     log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
     rc = launch_workers(cfg, output_dir)
     summary_path = output_dir / "summary.json"
+    if rc == REQUEUE_EXIT:
+        write_status(output_dir, "preempted", error="stopped by a signal; checkpoint in checkpoints/last.ckpt")
+        sys.exit(rc)
     if rc != 0 or not summary_path.exists():
         write_status(output_dir, "failed", error=f"a worker process exited with status {rc}")
         sys.exit(rc or 1)
@@ -212,14 +272,33 @@ def main(dcfg: DictConfig) -> float:
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
     output_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+    launch_dir = Path(hydra.utils.get_original_cwd())
     try:
-        cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
-        result = execute(cfg, output_dir)
-    except ConfigError as e:
-        write_status(output_dir, "failed", error=str(e))
+        cfg = to_typed(dcfg, launch_dir)
+        result = execute(cfg, output_dir, launch_dir)
+    except BaseException as e:
+        if isinstance(e, ConfigError):
+            write_status(output_dir, "failed", error=str(e))
+        exit_on_known_error(e)
+        raise
+    return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def exit_on_known_error(e: BaseException) -> None:
+    """Bad input, a fault during training or a preemption: print its message (no traceback) and exit with its
+    status (2: configuration, 1: training fault, 75: preempted, requeue). Anything else returns (and is raised)."""
+    from exp.faults import TrainingFault
+    from exp.preemption import REQUEUE_EXIT, Preempted
+
+    if isinstance(e, ConfigError):
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
-    return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+    if isinstance(e, TrainingFault):
+        print(f"exp: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if isinstance(e, Preempted):
+        print(f"exp: {e}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT)
 
 
 def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
@@ -283,7 +362,7 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
     cfg = compose_config(list(overrides or []))
     out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
-    return execute(cfg, out)
+    return execute(cfg, out, Path.cwd())
 
 
 def cli() -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 
+from exp.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.config import TrainConfig
+from exp.preemption import PreemptionCheckpoint
 from exp.samples import build_sample_callbacks
 
 
@@ -55,17 +57,29 @@ def _ModelParallelSingleProcess():
     return ModelParallelSingleProcess(device=torch.device("cuda", 0))
 
 
-def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Trainer:
+class StepProgressBar(TQDMProgressBar):
+    """The training stream has no end (a run is counted in steps): show progress towards max_steps instead."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        trainer = self.trainer
+        return trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
+
+
+def _plugins() -> list:
+    plugins: list = [AtomicCheckpointIO()]
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if SLURMEnvironment.detect():
+        # exp's PreemptionCheckpoint owns SIGUSR1/SIGTERM (checkpoint at a step boundary, exit for a requeue);
+        # Lightning's SLURM auto-requeue would save a second, differently named checkpoint from the signal handler.
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return plugins
+
+
+def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: bool = False) -> L.Trainer:
     hw, t = cfg.hardware, cfg.trainer
     accumulate = cfg.accumulate_grad_batches
-    checkpoints = ModelCheckpoint(
-        dirpath=output_dir / "checkpoints",
-        filename="step-{step:06d}",
-        auto_insert_metric_name=False,
-        every_n_train_steps=t.checkpoint_every_n_steps,
-        save_top_k=-1,  # keep every periodic checkpoint: they hold only the adapters, so they are small
-        save_last=True,
-    )
     return L.Trainer(
         accelerator=hw.accelerator.value,
         # A model-parallel run is one process (the model spans its GPUs): Lightning drives one device.
@@ -73,8 +87,9 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Traine
         strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
         precision=hw.precision,
+        plugins=_plugins(),
         max_steps=t.max_steps,
-        max_epochs=-1,  # max_steps decides; the loader simply restarts (reshuffled) at each epoch end
+        max_epochs=-1,  # max_steps decides; the training stream never ends (exp.data.TrainStream)
         accumulate_grad_batches=accumulate,
         gradient_clip_val=t.max_grad_norm or None,
         # Lightning counts validation intervals in micro-batches, the config in optimiser steps.
@@ -82,10 +97,18 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list) -> L.Traine
         check_val_every_n_epoch=None,
         limit_val_batches=t.limit_val_batches if t.limit_val_batches is not None else 1.0,
         # The sanity check runs the whole validation split on the untrained adapters: it is the step-0 evaluation.
-        num_sanity_val_steps=-1,
+        # A resumed run has its step-0 evaluation in the checkpoint.
+        num_sanity_val_steps=0 if resuming else -1,
+        # exp.data shards both splits itself (and resumes the training stream mid-epoch).
+        use_distributed_sampler=False,
         log_every_n_steps=t.log_every_n_steps,
         logger=loggers or False,
-        callbacks=[checkpoints, TQDMProgressBar(refresh_rate=10), *build_sample_callbacks(cfg, output_dir)],
+        callbacks=[
+            *build_checkpoint_callbacks(cfg, output_dir),
+            PreemptionCheckpoint(output_dir),
+            StepProgressBar(refresh_rate=10),
+            *build_sample_callbacks(cfg, output_dir),
+        ],
         default_root_dir=str(output_dir),
         enable_model_summary=False,
     )

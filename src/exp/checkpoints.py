@@ -1,0 +1,118 @@
+"""Checkpoint files: written atomically, kept (the newest K, `last`, the best), read safely and checked.
+
+A checkpoint holds what continuing needs and nothing more: the LoRA weights (not the frozen base), the optimiser
+and scheduler state, Lightning's loop counters, and `checkpoint["exp"]` (micro-batches consumed, RNG states, the
+step-0 evaluation, the W&B run id). Everything in it is a plain type or a tensor, so it loads with
+`torch.load(weights_only=True)`: opening a checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from exp.config import ConfigError, TrainConfig
+
+CHECKPOINT_DIR = "checkpoints"
+LAST = "last.ckpt"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temporary file in the same directory, fsync, then rename over the target.
+
+    A kill (or a full disk) during a save leaves the previous checkpoint of that name intact: a reader sees the old
+    file or the new one, never half of one. Reads use `weights_only=True`.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = True) -> dict[str, Any]:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+
+
+def build_checkpoint_callbacks(cfg: TrainConfig, output_dir: Path) -> list[ModelCheckpoint]:
+    """Periodic checkpoints (the newest `keep_last_checkpoints`, plus `last.ckpt`) and the best by val/loss."""
+    t = cfg.trainer
+    periodic = ModelCheckpoint(
+        dirpath=output_dir / CHECKPOINT_DIR,
+        filename="step-{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=t.checkpoint_every_n_steps,
+        monitor="step",  # "top k by step" is "the newest k"
+        mode="max",
+        save_top_k=t.keep_last_checkpoints,
+        save_last=True,
+    )
+    best = ModelCheckpoint(
+        dirpath=output_dir / CHECKPOINT_DIR,
+        filename="best-step-{step:06d}",
+        auto_insert_metric_name=False,
+        monitor="val/loss",
+        mode="min",
+        save_top_k=1,
+        save_on_train_epoch_end=False,
+    )
+    return [periodic, best]
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimiser step a `step-NNNNNN.ckpt` / `best-step-NNNNNN.ckpt` file was written at (-1 if unnamed)."""
+    stem = path.stem.removeprefix("best-")
+    return int(stem.removeprefix("step-")) if stem.startswith("step-") and stem[5:].isdigit() else -1
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """A run's checkpoints, the one to resume from first: `last.ckpt`, then the periodic ones newest first."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    if not ckpt_dir.is_dir():
+        return []
+    periodic = sorted(ckpt_dir.glob("step-*.ckpt"), key=checkpoint_step, reverse=True)
+    last = [ckpt_dir / LAST] if (ckpt_dir / LAST).is_file() else []
+    return last + periodic
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load and check a checkpoint written by exp; a truncated, corrupt or foreign file raises ValueError."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, EOFError, pickle errors ... for damaged files
+        raise ValueError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}") from e
+    if not isinstance(ckpt, dict) or "exp" not in ckpt or "state_dict" not in ckpt:
+        raise ValueError("not a checkpoint written by exp (no 'exp' resume state)")
+    return ckpt
+
+
+def first_intact(paths: list[Path], fallback: bool) -> tuple[Path, dict[str, Any]]:
+    """The first checkpoint of `paths` that loads; a damaged one is an error unless `fallback` allows the next."""
+    problems = []
+    for path in paths:
+        try:
+            return path, read_checkpoint(path)
+        except ValueError as e:
+            problems.append(f"{path}: {e}")
+            if not fallback:
+                others = [p.name for p in paths if p != path]
+                raise ConfigError(
+                    f"trainer.resume: checkpoint {path} is damaged or truncated ({e}). Resume from another one "
+                    f"with trainer.resume=<file> ({', '.join(others) or 'none in this run'}), or set "
+                    "trainer.resume_fallback=true to take the newest intact checkpoint of the run."
+                ) from None
+    raise ConfigError(
+        "trainer.resume: no intact checkpoint to resume from:\n" + "\n".join(f"  - {p}" for p in problems)
+    )

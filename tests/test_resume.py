@@ -1,0 +1,202 @@
+"""Nothing lost: a run killed (SIGKILL) or preempted (SIGTERM / SIGUSR1) and resumed ends exactly where an
+uninterrupted run ends; checkpoint files are written atomically, kept as configured and checked when read."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from exp.checkpoints import AtomicCheckpointIO
+from exp.preemption import REQUEUE_EXIT
+
+# 120 steps, a checkpoint every 20: long enough to interrupt after step 40 and have most of the run left.
+RUN = [
+    "trainer.max_steps=120",
+    "trainer.warmup_steps=5",
+    "trainer.val_every_n_steps=50",
+    "trainer.checkpoint_every_n_steps=20",
+    "trainer.keep_last_checkpoints=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.sample_count=0",
+    "data.num_examples=400",
+]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="offline")
+
+
+def cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "exp.train", *overrides],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
+
+
+def interrupted(cwd: Path, run_dir: str, sig: int, after: str, *overrides: str) -> subprocess.CompletedProcess:
+    """Start a run, send `sig` once checkpoint `after` exists, wait for the process to end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exp.train", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    marker = cwd / run_dir / "checkpoints" / after
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before {after} was written:\n{proc.communicate()[1][-3000:]}"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def losses(*run_dirs: Path) -> dict[int, float]:
+    """train/loss per optimiser step from the runs' CSVs (a later run's row for a step wins)."""
+    out: dict[int, float] = {}
+    for d in run_dirs:
+        with open(d / "csv" / "metrics.csv") as f:
+            out.update({int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]})
+    return out
+
+
+def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    proc = cli(cwd, *RUN, "logger=csv", "hydra.run.dir=run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return cwd / "run"
+
+
+def assert_same_training(reference: Path, *pieces: Path) -> None:
+    ref, got = losses(reference), losses(*pieces)
+    assert sorted(got) == sorted(ref) == list(range(120))  # one row per optimiser step (logged before it)
+    assert got == ref  # bitwise: the CPU run is deterministic
+    a, b = adapter(reference), adapter(pieces[-1])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tmp_path):
+    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000040.ckpt", *RUN, "logger=csv")
+    assert killed.returncode == -signal.SIGKILL
+    before = digest(tmp_path / "killed")
+    resumed = cli(tmp_path, *RUN, "logger=csv", "trainer.resume=auto", "hydra.run.dir=resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = json.loads((tmp_path / "resumed" / "resume.json").read_text())
+    assert record["run"] == str((tmp_path / "killed").resolve()) and record["step"] >= 40
+    assert_same_training(uninterrupted, tmp_path / "killed", tmp_path / "resumed")
+    # The continuation has the original step-0 evaluation, and the interrupted run's files are untouched.
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["initial_val"] == json.loads((uninterrupted / "summary.json").read_text())["initial_val"]
+    assert digest(tmp_path / "killed") == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_checkpoints_exits_for_requeue_and_resumes(uninterrupted, tmp_path, sig):
+    stopped = interrupted(tmp_path, "first", sig, "step-000040.ckpt", *RUN, "logger=wandb")
+    assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
+    assert "trainer.resume=auto" in stopped.stderr and "Traceback" not in stopped.stderr
+    status = json.loads((tmp_path / "first" / "status.json").read_text())
+    assert status["status"] == "preempted"
+    last = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert 40 <= last["global_step"] < 120 and f"step {last['global_step']}" in status["error"]
+    assert not (tmp_path / "first" / "adapter").exists()  # an unfinished run has no "final" adapter
+
+    resumed = cli(tmp_path, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_training(uninterrupted, tmp_path / "first", tmp_path / "second")
+    # The same W&B run continues: both offline run directories carry one run id.
+    ids = {p.name.rsplit("-", 1)[-1] for d in ("first", "second") for p in (tmp_path / d / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1
+
+
+def test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_asked(uninterrupted, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(uninterrupted, run)
+    (run / "status.json").write_text('{"status": "failed"}')
+    last = run / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # truncated mid-write by something else
+
+    refused = cli(tmp_path, *RUN, "logger=csv", f"trainer.resume={run}", "hydra.run.dir=refused")
+    assert refused.returncode == 2
+    assert str(last) in refused.stderr and "trainer.resume_fallback=true" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    # With the fallback, the newest intact checkpoint (step 120, the last periodic one) is taken. The run is
+    # already at max_steps, so ask for 10 more: a named run may be continued with a longer schedule.
+    more = [o if not o.startswith("trainer.max_steps") else "trainer.max_steps=130" for o in RUN]
+    ok = cli(tmp_path, *more, "logger=csv", f"trainer.resume={run}", "trainer.resume_fallback=true", "hydra.run.dir=fb")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    record = json.loads((tmp_path / "fb" / "resume.json").read_text())
+    assert record["checkpoint"] == str(run / "checkpoints" / "step-000120.ckpt")
+    assert json.loads((tmp_path / "fb" / "summary.json").read_text())["steps"] == 130
+
+
+def test_resume_refuses_a_run_with_a_different_config(uninterrupted, tmp_path):
+    proc = cli(tmp_path, *RUN, "logger=csv", "lora.r=16", f"trainer.resume={uninterrupted}", "hydra.run.dir=x")
+    assert proc.returncode == 2
+    assert "lora.r: 8 -> 16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
+    from exp.resume import find_auto
+    from exp.train import compose_config, config_dict
+
+    cfg = config_dict(compose_config(["trainer.resume=auto"]))
+    assert find_auto(cfg, tmp_path / "outputs" / "d" / "t", tmp_path) is None
+
+
+def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
+    names = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    # keep_last_checkpoints=2 of steps 20..120; the best by val/loss (validated at 50, 100 and the end).
+    assert names == ["best-step-000100.ckpt", "last.ckpt", "step-000100.ckpt", "step-000120.ckpt"]
+    ckpt = torch.load(uninterrupted / "checkpoints" / "last.ckpt", weights_only=True)
+    assert set(ckpt["exp"]) == {"batches_seen", "skipped_steps", "initial_val", "tracking_ids", "rng"}
+    config = (uninterrupted / "config.yaml").read_text()
+    assert "micro_batch_size: 8" in config and "global_batch_size: 8" in config
+    assert ckpt["exp"]["batches_seen"] == 120  # one micro-batch per optimiser step, one rank
+    assert all("lora_" in k for k in ckpt["state_dict"])  # adapters only, not the frozen base
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+
+    def dies_mid_write(obj, f):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(OSError):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+    assert io.load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left behind
