@@ -288,6 +288,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
     if m.random_init and not m.arch:
         p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
+    p += _secret_keys("model.arch", m.arch)
     if lo.r <= 0:
         p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
     if lo.alpha <= 0:
@@ -326,6 +327,12 @@ def _validate(cfg: TrainConfig) -> list[str]:
         )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
         p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
+    if hw.strategy == Strategy.fsdp and q.quant_type == QuantType.int8:
+        p.append(
+            "quantization=int8 with hardware.strategy=fsdp: FSDP shards only floating-point tensors, and 8-bit weights "
+            "cannot be stored as floats (4-bit ones can: bnb_4bit_quant_storage). Use quantization=nf4 with "
+            "hardware=fsdp (FSDP-QLoRA), or keep int8 with hardware=ddp"
+        )
     p += batch_problems(hw, t)
     if t.optimizer != Optimizer.adamw and hw.accelerator == Accelerator.cpu:
         p.append(
@@ -333,10 +340,12 @@ def _validate(cfg: TrainConfig) -> list[str]:
             "use trainer.optimizer=adamw on the CPU"
         )
     if t.max_steps < 1:
-        p.append(f"trainer.max_steps={t.max_steps}: must be >= 1")
+        p.append(
+            f"trainer.max_steps={t.max_steps}: must be >= 1 (optimizer steps to train), e.g. trainer.max_steps=1000"
+        )
     if t.learning_rate <= 0:
-        p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. 2e-4")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. trainer.learning_rate=2e-4")
+    if t.max_steps >= 1 and (t.warmup_steps < 0 or t.warmup_steps >= t.max_steps):
         p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})")
     if t.max_grad_norm < 0:
         p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
@@ -355,6 +364,23 @@ def _validate(cfg: TrainConfig) -> list[str]:
     return p
 
 
+def _secret_keys(path: str, node: Any) -> list[str]:
+    """Secret-looking keys in a free-form part of the config: it is recorded in config.yaml and W&B."""
+    from exp.tracking import SECRET_NAME
+
+    if not isinstance(node, dict):
+        return []
+    problems = []
+    for key, value in node.items():
+        if SECRET_NAME.search(str(key)):
+            problems.append(
+                f"{path}.{key}: a secret-looking key in the training config would be recorded in config.yaml and W&B. "
+                "Remove it; pass credentials in the environment (e.g. HF_TOKEN, WANDB_API_KEY)"
+            )
+        problems += _secret_keys(f"{path}.{key}", value)
+    return problems
+
+
 def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
     if hw.devices == -1 and hw.strategy in (Strategy.ddp, Strategy.fsdp, Strategy.auto):
@@ -363,6 +389,15 @@ def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     per_step = hw.micro_batch_size * replicas
     if t.global_batch_size >= 1 and hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1) == 0:
         return []
+    if 1 <= t.global_batch_size < per_step:
+        fits = [m for m in range(t.global_batch_size // replicas, 0, -1) if t.global_batch_size % (m * replicas) == 0]
+        return [
+            f"hardware.micro_batch_size={hw.micro_batch_size} x data-parallel processes ({replicas}) = {per_step} is "
+            f"larger than trainer.global_batch_size={t.global_batch_size}: one optimizer step cannot take fewer "
+            "examples than one micro-batch per process. Use e.g. "
+            + (f"hardware.micro_batch_size={fits[0]}, or " if fits else "")
+            + f"trainer.global_batch_size={per_step}"
+        ]
     return [
         f"trainer.global_batch_size={t.global_batch_size} is not a multiple of hardware.micro_batch_size "
         f"({hw.micro_batch_size}) x data-parallel processes ({replicas}) = {per_step}: gradient accumulation is "
@@ -402,10 +437,25 @@ __all__ = [
 
 
 def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
-    """Make relative data and model paths absolute against the directory the user launched from."""
+    """Make relative data and model paths absolute against the directory the user launched from; a model.path
+    that holds no checkpoint is refused here, before anything is loaded."""
     for holder in (cfg.data, cfg.model):
         if holder.path and not Path(holder.path).expanduser().is_absolute():
             holder.path = str((launch_dir / holder.path).resolve())
     if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().is_absolute():
         cfg.data.val_path = str((launch_dir / cfg.data.val_path).resolve())
+    if cfg.model.path and (problem := model_path_problem(cfg.model.path)):
+        raise ConfigError(problem)
     return cfg
+
+
+def model_path_problem(path: str) -> str | None:
+    """Why `model.path` cannot be loaded by `from_pretrained`, or None."""
+    where = Path(path).expanduser()
+    if (where / "config.json").is_file():
+        return None
+    found = "" if where.is_dir() else ": the path does not exist" if not where.exists() else ": it is a file"
+    return (
+        f"model.path={path}: no config.json there{found}. Point model.path at a directory written by save_pretrained "
+        "(config.json and the weights), or drop model.path to use model.hub_id."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from exp.config import (
     QuantType,
     Strategy,
     TrainConfig,
+    model_path_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -33,19 +35,29 @@ def compute_dtype(precision: str) -> torch.dtype:
 def resolve_checkpoint(cfg: ModelConfig) -> str:
     """Where `from_pretrained` reads from: a local path, a random-weight build in the cache, or a hub id."""
     if cfg.path:
-        path = Path(cfg.path).expanduser()
-        if not (path / "config.json").exists():
-            raise ConfigError(
-                f"model.path={cfg.path}: no config.json there. Point model.path at a directory written by "
-                "save_pretrained (or drop model.path to use model.hub_id)."
-            )
-        return str(path)
-    if cfg.random_init:
+        if problem := model_path_problem(cfg.path):
+            raise ConfigError(problem)
+        source = str(Path(cfg.path).expanduser())
+    elif cfg.random_init:
         from exp.local_models import build_random_checkpoint
 
-        return str(build_random_checkpoint(cfg.family, dict(cfg.arch), cfg.seed))
-    assert cfg.hub_id is not None  # guaranteed by TrainConfig validation
-    return cfg.hub_id
+        source = str(build_random_checkpoint(cfg.family, dict(cfg.arch), cfg.seed))
+    else:
+        assert cfg.hub_id is not None  # guaranteed by TrainConfig validation
+        source = cfg.hub_id
+    if cfg.trust_remote_code:
+        _warn_remote_code(source)
+    return source
+
+
+@functools.cache  # once per repository and process: the tokenizer and the model both resolve it
+def _warn_remote_code(source: str) -> None:
+    log.warning(
+        "model.trust_remote_code=true: Python code from '%s' (its modeling / tokenizer files) will be imported and run "
+        "in this process. Gemma is native in transformers and never needs it: set model.trust_remote_code=false "
+        "unless you have read that code.",
+        source,
+    )
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -95,12 +107,6 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     """Load the frozen base on `device`, quantized as configured. A 4-bit model cannot move after this."""
     from transformers import AutoModelForCausalLM
 
-    if cfg.model.trust_remote_code:
-        log.warning(
-            "model.trust_remote_code=true: code from '%s' will run in this process. Gemma is native in "
-            "transformers and never needs it.",
-            cfg.model.hub_id or cfg.model.path,
-        )
     dtype = compute_dtype(cfg.hardware.precision)
     source = resolve_checkpoint(cfg.model)
     strategy = cfg.hardware.strategy
@@ -180,7 +186,8 @@ def check_lora_targets(model: nn.Module, cfg: LoraConfig) -> None:
     if unknown:
         raise ConfigError(
             f"lora.target_modules={list(cfg.target_modules)}: {unknown} match no linear layer of this model. "
-            f"Available: {sorted(available)}"
+            f"Available: {sorted(available)}. Use names from that list, e.g. lora.target_modules=[q_proj,v_proj] "
+            "(or lora=all_linear for every projection)"
         )
     for name in cfg.modules_to_save:
         if name in ("lm_head", "embed_tokens"):

@@ -1,17 +1,42 @@
-"""Check command-line overrides against the schema before Hydra composes, for errors that list what is allowed.
+"""Check the command line before Hydra runs anything, with errors that name the key, the value and the fix.
 
 Hydra already rejects an unknown key (`lora.rank=16`), but its message names neither the valid fields nor the
-nearest one. This check walks the dataclass schema and says both.
+nearest one; `check_cli_overrides` walks the dataclass schema and says both. `check_command_line` (what
+`python -m exp.train` runs first) then composes the config as Hydra will and refuses what composition lets
+through: keys the schema lacks (`+foo=1`), callables outside the allow-list (exp.security), a run directory that
+cannot be created. Composition errors come out as one `exp: error:` paragraph, without Hydra's search-path dump.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import os
+import re
+import sys
 import typing
 from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from exp.config import TrainConfig
+from exp.run_dir import STATUS_FILE, next_free_run_dir
+
+# Settings people look for under a key that exp derives from, or keeps under, another one.
+_DTYPE = (
+    "the compute dtype is not a setting of its own: it follows hardware.precision (32-true: float32, bf16-mixed: "
+    "bfloat16, 16-mixed: float16). Use e.g. hardware.precision=bf16-mixed on a GPU (the CPU computes in float32)"
+)
+_ACCUMULATION = (
+    "gradient accumulation is derived: trainer.global_batch_size / (hardware.micro_batch_size x data-parallel "
+    "processes). Set e.g. trainer.global_batch_size=32"
+)
+MOVED = {
+    **dict.fromkeys(("compute_dtype", "bnb_4bit_compute_dtype", "dtype", "torch_dtype"), _DTYPE),
+    **dict.fromkeys(("gradient_accumulation_steps", "accumulate_grad_batches"), _ACCUMULATION),
+}
 
 
 def _fields(cls: type) -> dict[str, typing.Any]:
@@ -19,41 +44,224 @@ def _fields(cls: type) -> dict[str, typing.Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _not_a_field(shown: str, parts: list[str], depth: int, fields: dict[str, Any]) -> str:
+    part, where = parts[depth], ".".join(parts[:depth]) or "the root config"
+    if part in MOVED:
+        return f"'{shown}': {MOVED[part]}."
+    # Short field names (lora.r) are far from their spelled-out guesses (rank) by edit ratio: a field that starts
+    # the typed word counts as close too.
+    close = (
+        difflib.get_close_matches(part, fields, n=1)
+        or sorted((f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True)[:1]
+    )
+    hint = f" Did you mean '{'.'.join(parts[:depth] + close)}'?" if close else ""
+    return f"'{shown}': '{part}' is not a field of {where}.{hint} Allowed: {', '.join(sorted(fields))}."
+
+
 def check_cli_overrides(args: list[str]) -> list[str]:
-    """One message per `a.b=value` override whose key path is not in the schema (flags and `+`/`~` skipped)."""
+    """One message per `a.b=value` override whose key path is not in the schema, or that puts a secret into the
+    training config. Flags, `~` deletions, group choices and Hydra's own `hydra.*` keys are skipped."""
+    from exp.tracking import SECRET_NAME
+
     problems = []
     for arg in args:
-        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+        if arg.startswith(("-", "~")) or "=" not in arg:
             continue
-        key, value = arg.split("=", 1)
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and Path(value.strip("'\"")).is_file():
+        key = arg.split("=", 1)[0].lstrip("+")
+        parts = key.split(".")
+        if parts[0] == "hydra" or "@" in key or "/" in key:
+            continue
+        if SECRET_NAME.search(parts[-1]):  # the value is not repeated: it is the secret
             problems.append(
-                f"'{arg}': {value} is an existing file, not a directory: a run directory cannot be created there. "
-                f"Pass a new directory, e.g. {key}={value}_run."
+                f"'{key}=...': '{parts[-1]}' looks like a secret (a key, token or password), and the training config "
+                "is recorded in config.yaml, .hydra/, W&B and a sweep's directory names. Pass it in the environment "
+                "instead (e.g. export HF_TOKEN=... or WANDB_API_KEY=...)."
             )
             continue
-        parts = key.split(".")
-        if parts[0] == "hydra" or len(parts) < 2 or "@" in key:
-            continue  # group choices (model=...) are checked by Hydra, which lists the options
+        if len(parts) < 2:
+            continue  # group choices (model=...) are checked at composition, which lists the options
         node: typing.Any = TrainConfig
         for depth, part in enumerate(parts):
             if not dataclasses.is_dataclass(node):
                 break  # a dict or list field: free-form below this point
             fields = _fields(node)
             if part not in fields:
-                where = ".".join(parts[:depth]) or "the root config"
-                # Short field names (lora.r) are far from their spelled-out guesses (rank) by edit ratio: a
-                # field that starts the typed word counts as close too.
-                close = (
-                    difflib.get_close_matches(part, fields, n=1)
-                    or sorted((f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True)[
-                        :1
-                    ]
-                )
-                hint = f" Did you mean '{'.'.join(parts[:depth] + close)}'?" if close else ""
-                problems.append(
-                    f"'{arg}': '{part}' is not a field of {where}.{hint} Allowed: {', '.join(sorted(fields))}."
-                )
+                problems.append(_not_a_field(arg, parts, depth, fields))
                 break
             node = fields[part]
     return problems
+
+
+def unknown_keys(config: dict[str, Any], schema: type = TrainConfig, path: str = "") -> list[str]:
+    """Keys of the composed config that the schema lacks: a `+key=...` override added them, and nothing reads them."""
+    problems = []
+    fields = _fields(schema)
+    for key, value in config.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            parts = where.split(".")
+            problems.append(_not_a_field(f"+{where}", parts, len(parts) - 1, fields) + " Nothing reads it: remove it.")
+        elif dataclasses.is_dataclass(fields[key]) and isinstance(value, dict):
+            problems += unknown_keys(value, fields[key], where)
+    return problems
+
+
+# --- the whole command line, composed as Hydra will compose it --------------------------------------------------
+
+
+def check_command_line(argv: list[str], caller: str, config_path: str, config_name: str) -> tuple[list[str], list[str]]:
+    """Problems with `python -m exp.train <argv>` (empty: none), and the arguments to hand Hydra.
+
+    `caller`, `config_path`, `config_name`: those of the `@hydra.main` function. Nothing is instantiated, written or
+    run. A run directory that already holds a run (a `status.json`) is not written into: the arguments returned
+    point Hydra at the next free `<dir>_N`, as `exp.run_dir.claim_run_dir` does for the run itself.
+    """
+    # Hydra's own parser (not a public API; hydra-core is pinned to 1.3): the flags exactly as Hydra will read them.
+    from hydra._internal.utils import get_args_parser
+    from hydra.types import RunMode
+
+    args = get_args_parser().parse_args(argv)
+    problems = check_cli_overrides(args.overrides)
+    if args.experimental_rerun:
+        problems.append(
+            "--experimental-rerun: exp does not re-run pickled configs (unpickling a file can run any code). Run the "
+            "overrides again instead: they are in <run dir>/.hydra/overrides.yaml."
+        )
+    if problems or args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+        return problems, argv  # the modes that only print compose and instantiate nothing
+    mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
+    try:
+        configs = _compose_all(args, caller, config_path, config_name, mode)
+    except Exception as e:  # noqa: BLE001 (every composition error is the user's to fix: report it, no traceback)
+        return [composition_error(e, args.overrides)], argv
+    from exp.security import target_problems
+
+    for cfg in configs:
+        record = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+        assert isinstance(record, dict)
+        problems += target_problems(record)
+        record.pop("hydra")
+        problems += unknown_keys(record)
+    key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
+    run_dir = _resolved(configs[0], key)
+    if run_dir is not None:
+        problems += run_dir_problems(key, run_dir)
+    problems = list(dict.fromkeys(problems))  # each sweep choice repeats the problems of the others
+    if problems or mode == RunMode.MULTIRUN or run_dir is None or not (run_dir / STATUS_FILE).exists():
+        return problems, argv
+    free = next_free_run_dir(run_dir)
+    print(f"exp: {run_dir} already holds a run; this one goes to {free}", file=sys.stderr)
+    keep = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "hydra.run.dir"]
+    return [], [*keep, f'hydra.run.dir="{free}"']
+
+
+def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mode: Any) -> list:
+    """The config Hydra will compose (as `_run_hydra` builds it), plus one per choice of a swept config group
+    (`experiment=a,b`): the files a sweep selects are instantiated from too."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.utils import setup_globals
+    from hydra.errors import MissingConfigException
+    from hydra.types import RunMode
+
+    setup_globals()  # the ${now:...} resolver of run directory names
+    search_path = create_automatic_config_search_path(caller, None, args.config_path or config_path)
+    if args.config_dir is not None:
+        config_dir = os.path.abspath(args.config_dir)
+        if not os.path.isdir(config_dir):
+            raise FileNotFoundError(f"--config-dir {args.config_dir}: {config_dir} is not a directory")
+        search_path.prepend("command-line", f"file://{config_dir}", anchor=SearchPathQuery(provider="schema"))
+    loader = ConfigLoaderImpl(config_search_path=search_path)
+    name = args.config_name or config_name
+
+    def compose(overrides: list[str]):
+        cfg = loader.load_configuration(config_name=name, overrides=overrides, run_mode=mode, from_shell=True)
+        # An `optional` group (experiment) skips an option it cannot find: a misspelt experiment would run the
+        # default config.
+        for group, option in cfg.hydra.runtime.choices.items():
+            if isinstance(option, str) and option not in (options := loader.get_group_options(group)):
+                raise MissingConfigException(
+                    f"no {group}/{option}", missing_cfg_file=f"{group}/{option}", options=options
+                )
+        return cfg
+
+    configs = [compose(args.overrides)]
+    if mode == RunMode.MULTIRUN:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        for i, override in enumerate(parsed):
+            if not override.is_sweep_override() or "." in override.key_or_group:
+                continue  # a swept value (lora.r=4,8) selects no file
+            others = [o for j, o in enumerate(args.overrides) if j != i]
+            prefix = args.overrides[i].split("=", 1)[0]
+            try:
+                choices = list(override.sweep_string_iterator())
+            except Exception:  # noqa: BLE001 (glob / interval sweeps: not enumerable here)
+                continue
+            configs += [compose([*others, f"{prefix}={choice}"]) for choice in choices]
+    return configs
+
+
+def _resolved(cfg: Any, key: str) -> Path | None:
+    try:
+        value = OmegaConf.select(cfg, key)
+    except Exception:  # noqa: BLE001 (e.g. ${hydra:...}, resolvable only once Hydra runs the job)
+        return None
+    return Path(str(value)) if value else None
+
+
+def run_dir_problems(key: str, path: Path) -> list[str]:
+    """A run (or sweep) directory that cannot be created: it, or a directory above it, is an existing file."""
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            below = "" if p == path else "/" + str(path.relative_to(p))
+            return [
+                f"{key}={path}: {p} is an existing file, not a directory: a run directory cannot be created "
+                f"{'there' if p == path else 'below it'}. Pass a new directory, e.g. {key}={p}_run{below}."
+            ]
+    return []
+
+
+def composition_error(e: Exception, overrides: list[str]) -> str:
+    """One paragraph for a failed composition: the override, what is wrong with it, and an example of a fix."""
+    from hydra.errors import MissingConfigException
+
+    from exp.security import REDACTED, secret_values
+
+    if isinstance(e, MissingConfigException) and e.options and "/" in (e.missing_cfg_file or ""):
+        group, _, choice = e.missing_cfg_file.rpartition("/")
+        close = difflib.get_close_matches(choice, e.options, n=1)
+        hint = f" Did you mean {group}={close[0]}?" if close else ""
+        message = f"{group}={choice}: there is no option '{choice}' in group '{group}'.{hint} Available: "
+        message += ", ".join(e.options) + "."
+    else:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        # OmegaConf appends the key and the node types on indented lines; Hydra the config search path.
+        text = "\n".join(ln for ln in str(cause).split("Config search path:")[0].splitlines() if ln[:1] != " ")
+        merging = re.match(r"Error merging override (.+)", str(e))
+        message = (f"'{merging.group(1)}': {text.strip()}" if merging else text.strip()).rstrip(".")
+        key = getattr(cause, "full_key", None)
+        example = _example(key) if key else None
+        if example:
+            message += f". Fix: give {key} a value of its type, e.g. {example}."
+    for secret in secret_values(overrides):
+        message = message.replace(secret, REDACTED)
+    return message
+
+
+def _example(key: str) -> str | None:
+    """`key=<its schema default>`, written as an override."""
+    try:
+        value = OmegaConf.select(OmegaConf.structured(TrainConfig), key)
+    except Exception:  # noqa: BLE001 (not a schema key)
+        return None
+    if value is None or isinstance(value, DictConfig):
+        return None
+    if isinstance(value, ListConfig):
+        value = "[" + ",".join(map(str, value)) + "]"
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    elif isinstance(value, enum.Enum):
+        value = value.value
+    return f"{key}={value}"

@@ -33,12 +33,18 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def claim_run_dir(path: Path) -> Path:
+def next_free_run_dir(path: Path) -> Path:
     """`path`, or `path_1`, `path_2`, ... if an earlier run already wrote there (two launches in one second)."""
     candidate, n = path, 0
     while (candidate / STATUS_FILE).exists():
         n += 1
         candidate = path.with_name(f"{path.name}_{n}")
+    return candidate
+
+
+def claim_run_dir(path: Path) -> Path:
+    """`next_free_run_dir(path)`, created."""
+    candidate = next_free_run_dir(path)
     candidate.mkdir(parents=True, exist_ok=True)
     return candidate
 

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from exp.config import ConfigError, TrainConfig, register_configs, resolve_paths
-from exp.overrides import check_cli_overrides
+from exp.overrides import check_cli_overrides, check_command_line
 from exp.run_dir import claim_run_dir, new_run_dir, write_json, write_status
 
 log = logging.getLogger("exp.train")
@@ -366,7 +366,8 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
 
 
 def cli() -> None:
-    problems = check_cli_overrides(sys.argv[1:])
+    # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
+    problems, sys.argv[1:] = check_command_line(sys.argv[1:], __file__, str(CONF_DIR), "train")
     if problems:
         print("exp: error: " + "\n".join(problems), file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,305 @@
+"""Security: no secret in anything a run writes, only allow-listed callables instantiated by Hydra, remote code
+off (and loud when on), and weights that load without unpickling code.
+
+The secret test runs the real CLI with fake secrets in the environment and in Hydra overrides, and greps every byte
+of every file the run wrote (W&B's binary transaction log and the checkpoints included).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from exp.config import ConfigError, ModelConfig
+from exp.overrides import check_command_line
+from exp.security import REDACTED, redact_override
+from exp.train import CONF_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = str(ROOT / "src" / "exp" / "train.py")
+
+ENV_SECRETS = {
+    "WANDB_API_KEY": "wk0FAKE0123456789abcdef0123456789abcdef01",  # 40 characters, as W&B's keys
+    "HF_TOKEN": "hf_FAKEenvTOKEN0123456789",
+    "MY_SERVICE_PASSWORD": "pw_FAKEenvPASSWORD42",
+}
+OVERRIDE_SECRETS = {"DB_PASSWORD": "pw_FAKEoverridePW77", "HF_TOKEN": "hf_FAKEoverrideTOKEN99"}
+RUN = [
+    "trainer.max_steps=5",
+    "trainer.warmup_steps=0",
+    "trainer.val_every_n_steps=5",
+    "trainer.checkpoint_every_n_steps=5",
+    "data.num_examples=200",
+    "logger=wandb",
+]
+
+
+def _cli(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "exp.train", *args],
+        cwd=cwd,
+        env=env or dict(os.environ, OMP_NUM_THREADS="1"),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def secret_run(tmp_path_factory: pytest.TempPathFactory):
+    """A short W&B (offline) run from the CLI with fake secrets in the environment and in Hydra overrides."""
+    launch, home = tmp_path_factory.mktemp("launch"), tmp_path_factory.mktemp("home")
+    run_dir = tmp_path_factory.mktemp("secret_run") / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(ENV_SECRETS, OMP_NUM_THREADS="1", HOME=str(home))
+    env["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # a key but no server (nothing listens there): offline, at once
+    overrides = [f"+hydra.job.env_set.{k}={v}" for k, v in OVERRIDE_SECRETS.items()]
+    overrides.append("hydra.job.env_copy=[MY_SERVICE_PASSWORD]")  # Hydra copies the variable's value into its config
+    proc = _cli(launch, *RUN, *overrides, f"hydra.run.dir={run_dir}", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, launch, proc
+
+
+def test_no_secret_reaches_any_file_the_run_writes(secret_run):
+    run_dir, launch, proc = secret_run
+    files = [p for p in [*run_dir.rglob("*"), *launch.rglob("*")] if p.is_file()]
+    names = {p.name for p in files}
+    # The scan covers every kind of file a run writes.
+    for expected in ("config.yaml", "hydra.yaml", "overrides.yaml", "manifest.json", "summary.json", "status.json"):
+        assert expected in names, expected
+    for expected in ("samples.txt", "metrics.csv", "last.ckpt", "adapter_model.safetensors", "train.log"):
+        assert expected in names, expected
+    wandb_log = next(p for p in files if p.suffix == ".wandb")
+    assert any(p.name == "debug.log" for p in files) and any(p.name == "output.log" for p in files)
+    # W&B records the command line: the scan would see a secret typed there.
+    assert b"trainer.max_steps=5" in wandb_log.read_bytes()
+    secrets = [*ENV_SECRETS.values(), *OVERRIDE_SECRETS.values()]
+    for path in files:
+        data = path.read_bytes()
+        for secret in secrets:
+            assert secret.encode() not in data, f"{secret} leaked into {path}"
+    for secret in secrets:
+        assert secret not in proc.stdout + proc.stderr
+
+
+def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
+    from omegaconf import OmegaConf
+
+    from exp.report import read_run
+
+    run_dir, _, _ = secret_run
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    hydra = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
+    assert hydra.job.env_set == {"DB_PASSWORD": REDACTED, "HF_TOKEN": REDACTED, "MY_SERVICE_PASSWORD": REDACTED}
+    assert f"+hydra.job.env_set.DB_PASSWORD={REDACTED}" in hydra.overrides.hydra
+    assert list(hydra.overrides.task) == RUN
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml") == OmegaConf.load(run_dir / "config.yaml")
+    assert read_run(run_dir, "val/loss").overrides["trainer.max_steps"] == "5"
+
+
+def test_redact_override():
+    assert redact_override("+hydra.job.env_set.HF_TOKEN=hf_x") == f"+hydra.job.env_set.HF_TOKEN={REDACTED}"
+    assert redact_override("hydra.job.env_set={API_KEY: k1, HOME: /h}") == f"hydra.job.env_set={REDACTED}"
+    assert redact_override("lora.r=16") == "lora.r=16"
+    assert redact_override("data.max_seq_len=512") == "data.max_seq_len=512"  # `tokens`-like names stay
+    assert redact_override("trainer.sample_max_new_tokens=8") == "trainer.sample_max_new_tokens=8"
+
+
+@pytest.mark.parametrize("arg", ["+wandb.api_key=SEKRET_1", "+model.arch.hf_token=SEKRET_1", "+db.password=SEKRET_1"])
+def test_a_secret_in_the_training_config_is_refused_without_repeating_it(tmp_path: Path, arg: str):
+    proc = _cli(tmp_path, arg)
+    assert proc.returncode == 2, proc.stderr
+    assert "looks like a secret" in proc.stderr and "environment" in proc.stderr
+    assert arg.split("=")[0].lstrip("+") in proc.stderr
+    assert "SEKRET_1" not in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_a_secret_looking_key_in_a_yaml_arch_is_refused():
+    from conftest import compose_typed
+
+    with pytest.raises(ConfigError) as info:
+        compose_typed(["+model.arch.db_password=SEKRET_2"])
+    assert "model.arch.db_password" in str(info.value) and "SEKRET_2" not in str(info.value)
+
+
+# --- what Hydra may instantiate ------------------------------------------------------------------------------
+
+
+def _evil_config_dir(root: Path, marker: Path) -> Path:
+    """A config directory with an experiment that registers `os.makedirs(<marker>)` as a Hydra callback."""
+    (root / "experiment").mkdir(parents=True)
+    (root / "experiment" / "evil.yaml").write_text(
+        f"# @package _global_\nhydra:\n  callbacks:\n    evil:\n      _target_: os.makedirs\n      name: {marker}\n"
+    )
+    return root
+
+
+def test_a_disallowed_target_on_the_command_line_is_refused_before_it_runs(tmp_path: Path):
+    marker = tmp_path / "made_by_os_makedirs"
+    proc = _cli(tmp_path, "+hydra.callbacks.evil._target_=os.makedirs", f"+hydra.callbacks.evil.name={marker}")
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr
+    assert "hydra.callbacks.evil._target_=os.makedirs" in message  # the key and the value
+    assert "~hydra.callbacks.evil" in message and "exp.*" in message  # the fix and what is allowed
+    assert "Traceback" not in message
+    assert not marker.exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "swept-experiment"])
+def test_a_disallowed_target_in_a_yaml_file_is_refused(tmp_path: Path, sweep: bool):
+    marker = tmp_path / "made_by_os_makedirs"
+    config_dir = _evil_config_dir(tmp_path / "conf", marker)
+    args = ["-m", "experiment=guanaco_7b,evil"] if sweep else ["experiment=evil"]
+    proc = _cli(tmp_path, "--config-dir", str(config_dir), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert "hydra.callbacks.evil._target_=os.makedirs" in proc.stderr
+    assert not marker.exists() and not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_without_the_check_hydra_would_have_run_it(tmp_path: Path):
+    """The control: Hydra's own entry point (no exp.train.cli) instantiates the YAML's callback."""
+    marker = tmp_path / "made_by_os_makedirs"
+    config_dir = _evil_config_dir(tmp_path / "conf", marker)
+    code = "import sys; from exp.train import main; main()"
+    argv = ["--config-dir", str(config_dir), "experiment=evil", "lora.r=0", "logger=none"]
+    subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, timeout=120)
+    assert marker.is_dir()
+
+
+def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    problems, _ = check_command_line(
+        ["hydra.job_logging.handlers.console.class=os.system"], TRAIN_PY, str(CONF_DIR), "train"
+    )
+    assert len(problems) == 1 and "hydra.job_logging.handlers.console.class=os.system" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["experiment=guanaco_7b"],
+        ["-m", "lora.r=4,8", "experiment=guanaco_7b"],
+        ["-m", "hydra/launcher=gpus", "lora.r=4,8"],
+        ["-m", "hydra/launcher=slurm", "lora.r=4,8"],
+        ["-m", "hydra/launcher=submitit_local"],
+        ["-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "optuna_lr_rank"],
+        ["-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "lora_rank_grid"],
+    ],
+    ids=lambda argv: " ".join(a.replace(str(ROOT) + "/", "") for a in argv) or "default",
+)
+def test_the_project_configs_pass_the_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]):
+    monkeypatch.chdir(tmp_path)
+    problems, passed = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
+    assert problems == [] and passed == argv
+
+
+def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "status.json").write_text('{"status": "completed"}')
+    problems, argv = check_command_line(["lora.r=16", "hydra.run.dir=done"], TRAIN_PY, str(CONF_DIR), "train")
+    assert problems == [] and argv == ["lora.r=16", 'hydra.run.dir="done_1"']
+    assert "done already holds a run" in capsys.readouterr().err
+
+
+# --- remote code, weights and checkpoints ------------------------------------------------------------------------
+
+
+def test_trust_remote_code_warns_naming_the_repository(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    from exp.model import resolve_checkpoint
+
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="exp.model"):
+        resolve_checkpoint(ModelConfig(path=str(local)))
+        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model"))
+        assert caplog.records == []  # off by default: silent
+        resolve_checkpoint(ModelConfig(path=str(local), trust_remote_code=True))
+        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model", trust_remote_code=True))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and all("trust_remote_code=true" in m for m in messages)
+    assert str(local) in messages[0] and "someone/remote-model" in messages[1]
+
+
+def _calls(tree: ast.AST, module: str, name: str) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == name
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == module
+    ]
+
+
+def test_every_torch_load_in_the_source_uses_weights_only():
+    loads = 0
+    for path in (ROOT / "src").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for call in _calls(tree, "torch", "load"):
+            loads += 1
+            flags = {k.arg: k.value for k in call.keywords}
+            assert isinstance(flags.get("weights_only"), ast.Constant) and flags["weights_only"].value is True, (
+                f"{path}:{call.lineno}: torch.load without weights_only=True"
+            )
+        for module, name in (("pickle", "load"), ("pickle", "loads"), ("dill", "load")):
+            assert not _calls(tree, module, name), f"{path}: {module}.{name}"
+        assert "safe_serialization=False" not in path.read_text(), path
+    assert loads >= 1  # the scan sees the checkpoint readers
+
+
+def _plain(value, where: str = "checkpoint") -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert isinstance(k, str | int), f"{where}: key {k!r}"
+            _plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _plain(v, f"{where}[{i}]")
+    else:
+        assert value is None or isinstance(value, str | int | float | bool | torch.Tensor), (
+            f"{where}: {type(value).__module__}.{type(value).__name__}"
+        )
+
+
+def test_checkpoints_load_with_weights_only_and_hold_plain_types(secret_run):
+    run_dir, _, _ = secret_run
+    checkpoints = sorted((run_dir / "checkpoints").glob("*.ckpt"))
+    assert checkpoints and any(p.name == "last.ckpt" for p in checkpoints)
+    for path in checkpoints:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        _plain(ckpt, path.name)
+        assert ckpt["state_dict"] and all("lora_" in k for k in ckpt["state_dict"])
+        assert "hyper_parameters" not in ckpt  # no pickled config objects
+
+
+def test_weights_are_safetensors(secret_run):
+    from omegaconf import OmegaConf
+    from safetensors import safe_open
+
+    from exp.model import resolve_checkpoint
+
+    run_dir, _, _ = secret_run
+    adapter = run_dir / "adapter"
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        assert any("lora_A" in k for k in f.keys())
+    pickled = (".bin", ".pt", ".pth", ".pkl", ".pickle")
+    assert not [p for p in adapter.iterdir() if p.suffix in pickled]
+    model = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(run_dir / "config.yaml").model)
+    )
+    base = Path(resolve_checkpoint(model))
+    assert list(base.glob("*.safetensors")) and not [p for p in base.iterdir() if p.suffix in pickled]
