@@ -106,6 +106,21 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
     assert read_run(run_dir, "val/loss").overrides["trainer.max_steps"] == "5"
 
 
+@pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
+def test_a_sweep_writes_no_secret_anywhere(tmp_path: Path, launcher: str):
+    """A multirun's files (multirun.yaml, each job's record, the launcher's submission pickles) hold no secret.
+    The jobs fail their validation (lora.r=0) at once: what a sweep writes is the same either way."""
+    secret = OVERRIDE_SECRETS["DB_PASSWORD"]
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"hydra/launcher={launcher}", f"+hydra.job.env_set.DB_PASSWORD={secret}", "lora.r=0,-1"]
+    proc = _cli(tmp_path, *args, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the exit status counts the failed jobs
+    files = [p for p in sweep.rglob("*") if p.is_file()]
+    assert (sweep / "multirun.yaml") in files and len(list(sweep.glob("*/.hydra/hydra.yaml"))) == 2
+    assert [p for p in files if secret.encode() in p.read_bytes()] == []
+    assert secret not in proc.stdout + proc.stderr
+
+
 def test_redact_override():
     assert redact_override("+hydra.job.env_set.HF_TOKEN=hf_x") == f"+hydra.job.env_set.HF_TOKEN={REDACTED}"
     assert redact_override("hydra.job.env_set={API_KEY: k1, HOME: /h}") == f"hydra.job.env_set={REDACTED}"

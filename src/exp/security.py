@@ -12,6 +12,7 @@ so that Hydra writes nothing first).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -32,6 +33,8 @@ ALLOWED_TARGETS = ("exp.", "hydra_plugins.", "hydra._internal.core_plugins.", "o
 ALLOWED_LOGGING = ("logging.", "colorlog.")
 DENIED_LOGGING = ("logging.config.",)
 LOGGING_SECTIONS = ("hydra.job_logging.", "hydra.hydra_logging.")
+
+log = logging.getLogger(__name__)
 
 
 def _allowed(value: Any, allowed: tuple[str, ...], denied: tuple[str, ...] = ()) -> bool:
@@ -70,8 +73,8 @@ def target_problems(config: dict[str, Any]) -> list[str]:
 def _refusal(key: str, value: Any, parent: str, rule: str) -> str:
     return (
         f"{key}={value}: the config names a callable that Hydra would import and run, and {rule}. Nothing has been "
-        f"run. Fix: remove {parent or 'it'} (on the command line ~{parent}, or delete it from the YAML file that sets "
-        "it), or name an allowed class."
+        f"run. Fix: remove {parent or 'it'} (drop the override or the YAML lines that set it, or add ~{parent}), or "
+        "name an allowed class."
     )
 
 
@@ -135,6 +138,30 @@ def redact_multirun_record(sweep_dir: Path) -> None:
             _write_yaml(path, redacted)
 
 
+def _secrets_in(record: Any, key: str = "") -> list[str]:
+    """The values of secret-looking keys anywhere in a config (as plain containers)."""
+    if isinstance(record, dict):
+        return [s for k, v in record.items() for s in _secrets_in(v, str(k))]
+    if isinstance(record, list):
+        return [s for v in record for s in _secrets_in(v, key)]
+    return [str(record)] if record and SECRET_NAME.search(key) else []
+
+
+def remove_secret_pickles(sweep_dir: Path, config: DictConfig) -> list[Path]:
+    """Delete the pickles a launcher left in the sweep directory (submitit's submitted and result files hold the
+    whole config, Hydra's env_set values included) when they contain one of the sweep's secrets."""
+    record = OmegaConf.to_container(config, resolve=False)
+    overrides = OmegaConf.to_container(config.hydra.overrides)
+    assert isinstance(overrides, dict)
+    secrets = {s.encode() for s in [*_secrets_in(record), *secret_values(overrides["hydra"] + overrides["task"])]}
+    removed = []
+    for path in sweep_dir.rglob("*.pkl") if secrets and sweep_dir.is_dir() else []:
+        if any(secret in path.read_bytes() for secret in secrets):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 class RunRecord(Callback):
     """Registered in conf/train.yaml: the redacted `.hydra/` record of every job, and no secret on the command line.
 
@@ -152,4 +179,7 @@ class RunRecord(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # Launchers that run jobs in other processes (gpus, submitit) write multirun.yaml here without a job start.
-        redact_multirun_record(Path(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        redact_multirun_record(sweep_dir)
+        if removed := remove_secret_pickles(sweep_dir, config):
+            log.info("removed %d launcher pickle(s) holding secrets from %s", len(removed), sweep_dir)
