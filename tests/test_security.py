@@ -191,6 +191,16 @@ def test_without_the_check_hydra_would_have_run_it(tmp_path: Path):
     assert marker.is_dir()
 
 
+def test_a_config_that_sweeps_by_itself_is_checked_as_a_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`hydra.mode: MULTIRUN` in a config makes a sweep without -m (as Hydra decides); its swept values compose."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "swept.yaml").write_text("defaults:\n  - train\n  - _self_\nhydra:\n  mode: MULTIRUN\n")
+    argv = ["--config-dir", str(tmp_path), "--config-name", "swept", "lora.r=4,8"]
+    assert check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")[0] == []
+    problems, _ = check_command_line([*argv, "+hydra.callbacks.x._target_=os.system"], TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 1 and "hydra.callbacks.x._target_=os.system" in problems[0]
+
+
 def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
     problems, _ = check_command_line(

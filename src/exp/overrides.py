@@ -133,7 +133,17 @@ def check_command_line(argv: list[str], caller: str, config_path: str, config_na
     try:
         configs = _compose_all(args, caller, config_path, config_name, mode)
     except Exception as e:  # noqa: BLE001 (every composition error is the user's to fix: report it, no traceback)
-        return [composition_error(e, args.overrides)], argv
+        configs, error = [], e
+    # As Hydra decides: without -m, a config's own `hydra.mode: MULTIRUN` makes it a sweep.
+    if mode == RunMode.RUN and (not configs or configs[0].hydra.mode == RunMode.MULTIRUN):
+        try:
+            swept = _compose_all(args, caller, config_path, config_name, RunMode.MULTIRUN)
+            if swept[0].hydra.mode == RunMode.MULTIRUN:
+                configs, mode = swept, RunMode.MULTIRUN
+        except Exception:  # noqa: BLE001 (the first error is the one to report)
+            pass
+    if not configs:
+        return [composition_error(error, args.overrides)], argv
     from exp.security import target_problems
 
     for cfg in configs:
