@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from exp.checkpoints import AtomicCheckpointIO
 from exp.preemption import REQUEUE_EXIT
 
-# 120 steps, a checkpoint every 20: long enough to interrupt after step 40 and have most of the run left.
+# 60 steps, a checkpoint every 10: long enough to interrupt after step 20 and have most of the run left.
 RUN = [
-    "trainer.max_steps=120",
+    "trainer.max_steps=60",
     "trainer.warmup_steps=5",
-    "trainer.val_every_n_steps=50",
-    "trainer.checkpoint_every_n_steps=20",
+    "trainer.val_every_n_steps=25",
+    "trainer.checkpoint_every_n_steps=10",
     "trainer.keep_last_checkpoints=2",
     "trainer.log_every_n_steps=1",
     "trainer.sample_count=0",
@@ -85,7 +85,9 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +100,20 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 def assert_same_training(reference: Path, *pieces: Path) -> None:
     ref, got = losses(reference), losses(*pieces)
-    assert sorted(got) == sorted(ref) == list(range(120))  # one row per optimiser step (logged before it)
+    assert sorted(got) == sorted(ref) == list(range(60))  # one row per optimiser step (logged before it)
     assert got == ref  # bitwise: the CPU run is deterministic
     a, b = adapter(reference), adapter(pieces[-1])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tmp_path):
-    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000040.ckpt", *RUN, "logger=csv")
+    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000020.ckpt", *RUN, "logger=csv")
     assert killed.returncode == -signal.SIGKILL
     before = digest(tmp_path / "killed")
     resumed = cli(tmp_path, *RUN, "logger=csv", "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     record = json.loads((tmp_path / "resumed" / "resume.json").read_text())
-    assert record["run"] == str((tmp_path / "killed").resolve()) and record["step"] >= 40
+    assert record["run"] == str((tmp_path / "killed").resolve()) and record["step"] >= 20
     assert_same_training(uninterrupted, tmp_path / "killed", tmp_path / "resumed")
     # The continuation has the original step-0 evaluation, and the interrupted run's files are untouched.
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
@@ -119,23 +121,31 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tm
     assert digest(tmp_path / "killed") == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_preemption_signal_checkpoints_exits_for_requeue_and_resumes(uninterrupted, tmp_path, sig):
-    stopped = interrupted(tmp_path, "first", sig, "step-000040.ckpt", *RUN, "logger=wandb")
+def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_run(uninterrupted, tmp_path):
+    stopped = interrupted(tmp_path, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, "logger=wandb")
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
     assert "trainer.resume=auto" in stopped.stderr and "Traceback" not in stopped.stderr
     status = json.loads((tmp_path / "first" / "status.json").read_text())
     assert status["status"] == "preempted"
     last = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert 40 <= last["global_step"] < 120 and f"step {last['global_step']}" in status["error"]
+    assert 20 <= last["global_step"] < 60 and f"step {last['global_step']}" in status["error"]
     assert not (tmp_path / "first" / "adapter").exists()  # an unfinished run has no "final" adapter
 
     resumed = cli(tmp_path, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_training(uninterrupted, tmp_path / "first", tmp_path / "second")
     # The same W&B run continues: both offline run directories carry one run id.
-    ids = {p.name.rsplit("-", 1)[-1] for d in ("first", "second") for p in (tmp_path / d / "wandb").glob("offline-run-*")}
+    ids = {
+        p.name.rsplit("-", 1)[-1] for d in ("first", "second") for p in (tmp_path / d / "wandb").glob("offline-run-*")
+    }
     assert len(ids) == 1
+
+
+def test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue(tmp_path):
+    stopped = interrupted(tmp_path, "run", signal.SIGUSR1, "step-000020.ckpt", *RUN, "logger=csv")
+    assert stopped.returncode == REQUEUE_EXIT and "stopped by SIGUSR1" in stopped.stderr
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "preempted"
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] >= 20
 
 
 def test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_asked(uninterrupted, tmp_path):
@@ -150,14 +160,14 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_aske
     assert str(last) in refused.stderr and "trainer.resume_fallback=true" in refused.stderr
     assert "Traceback" not in refused.stderr
 
-    # With the fallback, the newest intact checkpoint (step 120, the last periodic one) is taken. The run is
+    # With the fallback, the newest intact checkpoint (step 60, the last periodic one) is taken. The run is
     # already at max_steps, so ask for 10 more: a named run may be continued with a longer schedule.
-    more = [o if not o.startswith("trainer.max_steps") else "trainer.max_steps=130" for o in RUN]
+    more = [o if not o.startswith("trainer.max_steps") else "trainer.max_steps=70" for o in RUN]
     ok = cli(tmp_path, *more, "logger=csv", f"trainer.resume={run}", "trainer.resume_fallback=true", "hydra.run.dir=fb")
     assert ok.returncode == 0, ok.stderr[-3000:]
     record = json.loads((tmp_path / "fb" / "resume.json").read_text())
-    assert record["checkpoint"] == str(run / "checkpoints" / "step-000120.ckpt")
-    assert json.loads((tmp_path / "fb" / "summary.json").read_text())["steps"] == 130
+    assert record["checkpoint"] == str(run / "checkpoints" / "step-000060.ckpt")
+    assert json.loads((tmp_path / "fb" / "summary.json").read_text())["steps"] == 70
 
 
 def test_resume_refuses_a_run_with_a_different_config(uninterrupted, tmp_path):
@@ -176,13 +186,13 @@ def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
 
 def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
     names = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
-    # keep_last_checkpoints=2 of steps 20..120; the best by val/loss (validated at 50, 100 and the end).
-    assert names == ["best-step-000100.ckpt", "last.ckpt", "step-000100.ckpt", "step-000120.ckpt"]
+    # keep_last_checkpoints=2 of steps 10..60; the best by val/loss (validated at 25, 50 and the end).
+    assert names == ["best-step-000050.ckpt", "last.ckpt", "step-000050.ckpt", "step-000060.ckpt"]
     ckpt = torch.load(uninterrupted / "checkpoints" / "last.ckpt", weights_only=True)
     assert set(ckpt["exp"]) == {"batches_seen", "skipped_steps", "initial_val", "tracking_ids", "rng"}
     config = (uninterrupted / "config.yaml").read_text()
     assert "micro_batch_size: 8" in config and "global_batch_size: 8" in config
-    assert ckpt["exp"]["batches_seen"] == 120  # one micro-batch per optimiser step, one rank
+    assert ckpt["exp"]["batches_seen"] == 60  # one micro-batch per optimiser step, one rank
     assert all("lora_" in k for k in ckpt["state_dict"])  # adapters only, not the frozen base
 
 

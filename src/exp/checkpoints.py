@@ -92,7 +92,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises RuntimeError, EOFError, pickle errors ... for damaged files
-        raise ValueError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}") from e
+        first = str(e).splitlines()[0].split(". ")[0] if str(e) else "unreadable"  # torch appends a paragraph
+        raise ValueError(f"{type(e).__name__}: {first}") from e
     if not isinstance(ckpt, dict) or "exp" not in ckpt or "state_dict" not in ckpt:
         raise ValueError("not a checkpoint written by exp (no 'exp' resume state)")
     return ckpt

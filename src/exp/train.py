@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import logging
 import sys
@@ -287,12 +288,13 @@ def main(dcfg: DictConfig) -> float:
 def exit_on_known_error(e: BaseException) -> None:
     """Bad input, a fault during training or a preemption: print its message (no traceback) and exit with its
     status (2: configuration, 1: training fault, 75: preempted, requeue). Anything else returns (and is raised)."""
-    from exp.faults import TrainingFault
-    from exp.preemption import REQUEUE_EXIT, Preempted
-
     if isinstance(e, ConfigError):
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
+    # Imported only now: a configuration error should not pay for importing torch and Lightning.
+    from exp.faults import TrainingFault
+    from exp.preemption import REQUEUE_EXIT, Preempted
+
     if isinstance(e, TrainingFault):
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -311,9 +313,12 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     from exp.run_dir import read_status
 
     hydra_cfg = HydraConfig.get()
-    if read_status(job_dir).get("status") == "completed":
-        log.info("sweep: %s already completed, skipped", job_dir.name)
-        return json.loads((job_dir / "summary.json").read_text())["final_val"]["val/loss"]
+    # A job retried in an earlier launch (`<job>_1`, ...: failed, or preempted and resumed) may have completed there.
+    attempts = [job_dir, *sorted(job_dir.parent.glob(f"{glob.escape(job_dir.name)}_[0-9]*"))]
+    done = [d for d in attempts if read_status(d).get("status") == "completed"]
+    if done:
+        log.info("sweep: %s already completed, skipped", done[-1].name)
+        return json.loads((done[-1] / "summary.json").read_text())["final_val"]["val/loss"]
     run_dir = claim_run_dir(job_dir)  # an earlier failed attempt keeps its files
     try:
         cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
