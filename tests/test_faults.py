@@ -36,7 +36,10 @@ def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path, m
         run(SHORT, output_dir=tmp_path / "run")
     message = str(e.value)
     assert "step 20" in message and str(tmp_path / "run" / "checkpoints" / "last.ckpt") in message
-    assert "trainer.on_nonfinite=skip" in message and "trainer.learning_rate" in message
+    assert (
+        "trainer.on_nonfinite=skip" in message
+        and f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}" in message
+    )
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["status"] == "failed" and "step 20" in status["error"]
     assert not (tmp_path / "run" / "adapter").exists()

@@ -180,7 +180,11 @@ class QLoRAModule(L.LightningModule):
         """Skip the update (weights and optimizer state untouched) or stop, as trainer.on_nonfinite says."""
         t, step = self.cfg.trainer, self.trainer.global_step + 1
         good = self.last_good_checkpoint()
-        where = f"the last good checkpoint is {good}" if good else "there is no checkpoint yet"
+        where, then = (
+            (f"the last good checkpoint is {good}", f"resume with trainer.resume={good}")
+            if good
+            else ("there is no checkpoint yet", "start again")
+        )
         if t.on_nonfinite == NonFinite.skip and self.skipped_steps < t.max_skipped_steps:
             self.skipped_steps += 1
             # AdamW leaves parameters without a gradient alone, moments included.
@@ -195,8 +199,8 @@ class QLoRAModule(L.LightningModule):
         )
         raise NonFiniteError(
             f"step {step}: the loss or the gradients are NaN/Inf{limit}; {where}. Training stopped before the bad "
-            "update, and no adapter was saved as final. Lower trainer.learning_rate or raise trainer.warmup_steps "
-            "and resume with trainer.resume=<that checkpoint>, or set trainer.on_nonfinite=skip to drop such steps."
+            f"update, and no adapter was saved as final. Lower trainer.learning_rate or raise trainer.warmup_steps "
+            f"and {then}, or set trainer.on_nonfinite=skip to drop such steps."
         )
 
     def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
