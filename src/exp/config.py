@@ -66,6 +66,15 @@ class Optimizer(str, Enum):
     paged_adamw_8bit = "paged_adamw_8bit"  # the same with 8-bit state (GPU)
 
 
+class LossImpl(str, Enum):
+    """How the training loss over the vocabulary is computed (the same loss; different memory and speed)."""
+
+    auto = "auto"  # CUDA: liger where liger-kernel imports, else chunked; the CPU: hf (the reference numbers)
+    hf = "hf"  # transformers' own: the full [tokens, vocab] logits, upcast to fp32
+    chunked = "chunked"  # exp.loss: a few hundred tokens' logits at a time, pure torch (any device)
+    liger = "liger"  # liger-kernel's fused linear cross-entropy (Triton, CUDA)
+
+
 class NonFinite(str, Enum):
     stop = "stop"  # stop the run at the first NaN/Inf loss or gradient, naming the step and the last good checkpoint
     skip = "skip"  # drop that step's update (weights and optimizer state untouched), up to max_skipped_steps in all
@@ -158,6 +167,14 @@ class HardwareConfig:
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
     num_workers: int = 0
+    # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
+    # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
+    loss_impl: LossImpl = LossImpl.auto
+    # CUDA: torch.optim.AdamW(fused=True), one kernel over all adapter tensors (no effect on the CPU or with the
+    # paged bitsandbytes optimisers).
+    fused_adamw: bool = True
+    # torch.compile each decoder layer in place (state-dict keys unchanged); the first steps pay the compile time.
+    compile: bool = False
 
 
 @dataclass
@@ -325,6 +342,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.precision={hw.precision} on the CPU: mixed precision on CPU is slow and not supported "
             "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
         )
+    if hw.accelerator == Accelerator.cpu and hw.loss_impl == LossImpl.liger:
+        p.append(
+            "hardware.loss_impl=liger on the CPU: liger-kernel's fused loss is a Triton (CUDA) kernel; use "
+            "hardware.loss_impl=chunked (exp's own, any device) or auto"
+        )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
         p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
     if hw.strategy == Strategy.fsdp and q.quant_type == QuantType.int8:
@@ -421,6 +443,7 @@ __all__ = [
     "LoggerConfig",
     "LoggerKind",
     "LoraConfig",
+    "LossImpl",
     "ModelConfig",
     "ModelFamily",
     "Optimizer",

@@ -240,9 +240,22 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(dtype)
+    if cfg.hardware.compile:
+        compile_decoder_layers(model)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()
     return model
+
+
+def compile_decoder_layers(model: nn.Module) -> None:
+    """torch.compile every decoder layer in place (`Module.compile`: parameter names and state-dict keys stay).
+
+    Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all,
+    and gradient checkpointing (applied around each layer's call) stays outside the compiled region.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
+        layer.compile()
 
 
 def decoder_layer_class(family: ModelFamily) -> type:

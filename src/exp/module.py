@@ -14,9 +14,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from exp.config import NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
+from exp.config import LossImpl, NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
 from exp.data import IGNORE_INDEX
 from exp.faults import NonFiniteError
+from exp.loss import LossChoice, causal_lm_loss, resolve_loss_impl
 from exp.model import build_model
 
 log = logging.getLogger("exp.module")
@@ -61,9 +62,12 @@ def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, to
     }
 
 
-def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
+    """`fused`: torch's fused AdamW kernel, taken only when every parameter is on a CUDA device."""
     kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     if t.optimizer == Optimizer.adamw:
+        if fused and params and all(p.device.type == "cuda" for p in params):
+            kwargs["fused"] = True
         return torch.optim.AdamW(params, **kwargs)
     import bitsandbytes as bnb
 
@@ -134,12 +138,16 @@ class QLoRAModule(L.LightningModule):
         self._loss_finite = True
         # Where to go back to after a NaN (train() points it at the run's checkpoints): named in the message.
         self.last_good_checkpoint: Callable[[], str | None] = lambda: None
+        # The training loss's implementation (hardware.loss_impl resolved for this device and model).
+        self.loss_choice = LossChoice(LossImpl.hf, "not resolved yet")
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this again (fit after validate): load once
             return
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
         self.model = build_model(self.cfg, device)
+        self.loss_choice = resolve_loss_impl(self.cfg, self.model, device)
+        log.info("training loss: %s (%s)", self.loss_choice.impl.value, self.loss_choice.reason)
 
     def cpu(self) -> QLoRAModule:
         """Stay put. Lightning's teardown moves the module to the CPU after `fit`; a quantized model must stay on
@@ -151,11 +159,12 @@ class QLoRAModule(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.model(**batch)
-        loss = out.loss.detach()
-        self._loss_finite = self._loss_finite and bool(torch.isfinite(loss))
-        self.log("train/loss", loss, prog_bar=True)
-        return out.loss
+        # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.loss).
+        loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
+        value = loss.detach()
+        self._loss_finite = self._loss_finite and bool(torch.isfinite(value))
+        self.log("train/loss", value, prog_bar=True)
+        return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # After unscaling and before clipping: the norm the clip threshold is compared with.
@@ -274,7 +283,7 @@ class QLoRAModule(L.LightningModule):
     def configure_optimizers(self):
         t = self.cfg.trainer
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(t, params)
+        optimizer = build_optimizer(t, params, fused=self.cfg.hardware.fused_adamw)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, t.warmup_steps, t.max_steps, t.lr_schedule)
         )
