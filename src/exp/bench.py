@@ -1,0 +1,609 @@
+"""`python -m exp.bench`: exp's training step against the hand-written QLoRA loop, on the same tokens.
+
+    python -m exp.bench                                   # the headline: Gemma-7B shape, seq 2048 x 8, baseline vs exp
+    python -m exp.bench --ablate                          # + exp without each of its levers, the baseline with one
+    python -m exp.bench --model gemma_tiny --seq 64 --micro-batch 2 --steps 6 --warmup 2     # CPU smoke test
+    python -m exp.bench --variant exp --micro-batch 8 16 32                                 # capacity
+
+Each variant runs in a fresh process (a monkey-patching lever or a compiled graph cannot leak into the next one,
+and every process's peak memory is its own) on the same model shape, LoRA settings, optimiser and token batches:
+step i is `bench_baseline.token_batch(i, seed, ...)`, labels = inputs, for both sides. The model (random weights
+in the published architecture, `model.random_init=true`) is built once into exp's cache by the first variant.
+
+* `baseline` is exp.bench_baseline: the plain transformers + PEFT + bitsandbytes loop of
+  ../shared/bench/qlora_baseline.py; `baseline prepare=false` etc. switch its levers.
+* `exp` is `python -m exp.train`'s code: the config composed from conf/ (hardware=gpu on a GPU, cpu otherwise) plus
+  the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build_model` in
+  `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of `exp.trainer.build_trainer`
+  with a CSV logger, fed these batches instead of a data module. `exp hardware.loss_impl=hf` etc. add overrides.
+
+Writes <out-dir>/bench-<model>-<seq>x<micro-batch>-<time>.json and .md (after every variant, so an interrupted
+run keeps what it measured). Exit status 1 when a variant failed (out of memory is a result, not a failure) or an exp
+variant's losses left the baseline's by more than --parity-tol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exp.bench_baseline import ALL_PROJECTIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+# Dense bf16 matmul throughput an H200 reaches (8192^3 products through PyTorch, measured at 769-798 TFLOP/s):
+# MFU's denominator. Pass --peak-tflops for another GPU.
+H200_BF16_TFLOPS = 790.0
+PARITY_STEPS = 30  # the issue's "first 30 steps"
+# Settings the bench owns for both sides (flags): an override of them would change only the exp side.
+BENCH_OWNED = (
+    "model",
+    "lora",
+    "quantization",
+    "hardware.micro_batch_size",
+    "trainer.global_batch_size",
+    "trainer.max_steps",
+    "trainer.learning_rate",
+    "trainer.weight_decay",
+    "trainer.max_grad_norm",
+    "trainer.optimizer",
+    "trainer.adam_beta1",
+    "trainer.adam_beta2",
+    "trainer.lr_schedule",
+    "trainer.warmup_steps",
+    "data.max_seq_len",
+)
+ABLATION = [
+    "baseline",
+    "exp",
+    "exp hardware.loss_impl=hf",  # transformers' loss over the full logits
+    "exp hardware.fused_adamw=false",
+    "exp hardware.gradient_checkpointing=false",
+    "exp hardware.compile=true",  # off by default until measured
+    "baseline prepare=false",  # exp never upcasts the embedding / head: this is that lever on the baseline
+]
+
+
+@dataclass
+class Settings:
+    """What both sides share."""
+
+    model: str = "gemma_7b"
+    seq: int = 2048
+    micro_batch: int = 8
+    steps: int = 30  # optimiser steps per variant, each one's loss recorded
+    warmup: int = 3  # the first steps, not timed; peak memory is reset after them
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    lr: float = 1e-4
+    seed: int = 0  # token batches (seed + step) and LoRA initialisation
+    device: str = "cuda"
+
+    def exp_overrides(self) -> list[str]:
+        """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
+        return [
+            f"model={self.model}",
+            "model.random_init=true",
+            f"hardware={'gpu' if self.device == 'cuda' else 'cpu'}",
+            f"hardware.micro_batch_size={self.micro_batch}",
+            "trainer=default",
+            f"trainer.global_batch_size={self.micro_batch}",  # one micro-batch per optimiser step, as the baseline
+            f"trainer.max_steps={self.steps}",
+            f"trainer.learning_rate={self.lr}",
+            "trainer.lr_schedule=constant",
+            "trainer.warmup_steps=0",
+            "trainer.weight_decay=0.01",  # torch.optim.AdamW's default, which the baseline keeps
+            "trainer.max_grad_norm=0",  # the baseline does not clip
+            f"trainer.seed={self.seed}",
+            # No validation, checkpoint or sample inside the measured steps.
+            "trainer.val_every_n_steps=1000000",
+            "trainer.checkpoint_every_n_steps=1000000",
+            "trainer.sample_count=0",
+            f"lora.r={self.lora_r}",
+            f"lora.alpha={self.lora_alpha}",
+            f"lora.dropout={self.lora_dropout}",
+            f"lora.target_modules=[{','.join(self.lora_targets)}]",
+            f"lora.init_seed={self.seed}",
+            f"data.max_seq_len={self.seq}",
+            "logger=csv",
+        ]
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse exp overrides of what the bench sets for both sides (they would change one side only)."""
+    for option in overrides:
+        key = option.lstrip("+~").partition("=")[0]
+        if any(key == owned or key.startswith(owned + ".") for owned in BENCH_OWNED):
+            raise ValueError(
+                f"{option!r}: {key} is set by exp.bench for both sides (use its flags: --model, --seq, --micro-batch, "
+                "--steps, --lora-*, --lr); as an exp override it would change one side only"
+            )
+
+
+@dataclass
+class Variant:
+    """One side with its options: `baseline [prepare=false ...]` or `exp [hydra overrides ...]`."""
+
+    name: str
+    side: str
+    options: list[str]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        side, *options = shlex.split(text)
+        if side not in ("baseline", "exp"):
+            raise ValueError(f"variant {text!r}: must start with 'baseline' or 'exp'")
+        if side == "baseline":
+            from exp.bench_baseline import BaselineOptions
+
+            BaselineOptions.parse(options)  # raises on a bad option, before anything runs
+        else:
+            check_overrides(options)
+        return cls(" ".join([side, *options]), side, options)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.side == "baseline" and not self.options
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLOPs and MFU
+
+
+def model_flops_per_token(arch: dict[str, Any], seq: int) -> dict[str, Any]:
+    """Model FLOPs of one trained token of a LoRA run on a frozen base: 4 N + attention.
+
+    Forward 2 N (a multiply-add per weight), backward 2 N for the gradients of the activations; the frozen weights
+    get no weight gradient (the 2 N of full fine-tuning's 6 N), and the adapters' own FLOPs (rank r) are left out.
+    N counts every weight a token's matmuls touch: the decoder projections and the head; Gemma ties the head to the
+    embedding, whose lookup costs nothing, so the table is counted once. Attention adds, per layer, QK^T and AV over
+    on average seq/2 keys (causal): forward 2 x 2 x d x seq/2 = 2 d seq with d = heads x head_dim, backward twice
+    that: 6 d seq per layer. Recomputation (gradient checkpointing) is not counted: these are *model* FLOPs, so
+    MFU does not reward recomputing. Gemma-7B shape at seq 2048: 34.15 G + 1.41 G = 35.6 GFLOP per token.
+    """
+    hidden, inter, layers = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
+    heads = arch["num_attention_heads"]
+    kv_heads = arch.get("num_key_value_heads", heads)
+    head_dim = arch.get("head_dim", 256)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * inter
+    n = layers * per_layer + arch["vocab_size"] * hidden
+    attention = 6 * layers * q * seq
+    return {"n_params": n, "linear": 4 * n, "attention": attention, "per_token": 4 * n + attention}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workers (one process per variant)
+
+
+def _checkpoint_and_vocab(settings: Settings) -> tuple[str, int, float]:
+    """The model's checkpoint dir (built into exp's cache on first use) and its vocabulary size."""
+    from transformers import AutoConfig
+
+    from exp.model import resolve_checkpoint
+    from exp.train import compose_config
+
+    started = time.perf_counter()
+    cfg = compose_config(settings.exp_overrides(), ROOT)
+    path = resolve_checkpoint(cfg.model)
+    return path, AutoConfig.from_pretrained(path).vocab_size, time.perf_counter() - started
+
+
+def run_baseline_worker(settings: Settings, variant: Variant) -> dict[str, Any]:
+    from exp.bench_baseline import BaselineOptions, run_baseline
+
+    checkpoint, _, build_s = _checkpoint_and_vocab(settings)
+    out = run_baseline(
+        checkpoint,
+        seq=settings.seq,
+        micro_batch=settings.micro_batch,
+        steps=settings.steps,
+        warmup=settings.warmup,
+        lora_r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        lora_targets=settings.lora_targets,
+        lr=settings.lr,
+        seed=settings.seed,
+        device=settings.device,
+        options=BaselineOptions.parse(variant.options),
+    )
+    return {"build_s": round(build_s, 2), **out}
+
+
+def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict[str, Any]:
+    """exp's own step: QLoRAModule under exp's Trainer, as `exp.train.train` builds them, fed the bench's batches."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from exp.bench_baseline import token_batch
+    from exp.model import quiet_third_party_logs
+    from exp.module import QLoRAModule
+    from exp.preflight import check, format_findings, probe_environment
+    from exp.tracking import build_loggers
+    from exp.train import compose_config, config_dict
+    from exp.trainer import build_trainer
+
+    quiet_third_party_logs()
+    checkpoint, vocab, build_s = _checkpoint_and_vocab(settings)
+    cfg = compose_config(settings.exp_overrides() + variant.options, ROOT)
+    on_gpu = cfg.hardware.accelerator.value != "cpu"
+    # exp's preflight resolves what the config leaves to the machine (precision "auto" -> bf16-mixed on an H200).
+    # Its memory estimate is not asked: finding the largest micro-batch that fits is what a capacity run is for.
+    result = check(cfg, probe_environment(check_bitsandbytes=False, need_gpus=on_gpu), memory_check=False)
+    if not result.ok:
+        raise RuntimeError(format_findings(result))
+    cfg = result.cfg
+    cuda = settings.device == "cuda"
+    tokens = [token_batch(i, settings.seed, settings.micro_batch, settings.seq, vocab) for i in range(settings.steps)]
+    batches = [{"input_ids": x, "labels": x} for x in tokens]  # labels = inputs, as the baseline
+    clock = step_clock(settings.warmup, cuda)
+
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = QLoRAModule(cfg)
+    loggers = build_loggers(cfg.logger, work_dir, "bench", config_dict(cfg))
+    trainer = build_trainer(cfg, work_dir, loggers)
+    trainer.callbacks.append(clock)
+    started = time.perf_counter()
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    optimizer = trainer.optimizers[0]
+    hw = cfg.hardware
+    return {
+        "build_s": round(build_s, 2),
+        "fit_s": round(time.perf_counter() - started, 2),
+        "step_s": clock.step_s,
+        "losses": [float(v) for v in clock.losses],
+        "peak_memory_bytes": clock.peak,
+        "lora_fingerprint": clock.fingerprint,
+        "lora_b_norm": clock.b_norm,
+        "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
+        "loss_impl": module.loss_choice.impl.value,
+        "loss_impl_reason": module.loss_choice.reason,
+        "gradient_checkpointing": hw.gradient_checkpointing,
+        "compile": hw.compile,
+        "fused_adamw": bool(optimizer.defaults.get("fused")),
+        "precision": f"Lightning {hw.precision}",
+        "checkpoint": checkpoint,
+    }
+
+
+def step_clock(warmup: int, cuda: bool):
+    """A Lightning callback timing each optimiser step between device synchronisations, as the baseline does.
+
+    Started before the module's own `on_train_batch_start` and stopped after the optimiser step (and Lightning's
+    progress bar / logging of that step), so exp's per-step bookkeeping is inside the measured time. It keeps the
+    losses as tensors (read once, after training), the LoRA fingerprint at the start of training, the LoRA B norm at
+    the end, and the peak memory at the end of the last step (before Lightning's end-of-training checkpoint).
+    """
+    import lightning as L
+    import torch
+
+    from exp.bench_baseline import lora_b_norm, lora_fingerprint
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.step_s: list[float] = []
+            self.losses: list[torch.Tensor] = []
+            self.fingerprint: str | None = None
+            self.b_norm: float | None = None
+            self.peak: int | None = None  # max_memory_allocated at the end of the last step (CUDA)
+            self._t0 = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.fingerprint = lora_fingerprint(pl_module.model)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync()
+            self.step_s.append(time.perf_counter() - self._t0)
+            self.losses.append(outputs["loss"].detach())
+            if cuda:
+                self.peak = torch.cuda.max_memory_allocated()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.b_norm = lora_b_norm(pl_module.model)
+
+    return StepClock()
+
+
+def worker_main(spec_path: Path) -> None:
+    """Run the variant a spec file names and write its result file (status ok / oom / failed)."""
+    spec = json.loads(spec_path.read_text())
+    settings = Settings(**spec["settings"])
+    variant = Variant(**spec["variant"])
+    result_path = Path(spec["result_path"])
+    row: dict[str, Any] = {"status": "failed"}
+    try:
+        import torch
+
+        try:
+            if variant.side == "baseline":
+                row.update(run_baseline_worker(settings, variant))
+            else:
+                row.update(run_exp_worker(settings, variant, Path(spec["work_dir"])))
+            row["status"] = "ok"
+        except torch.OutOfMemoryError as e:
+            row["status"] = "oom"
+            row["error"] = str(e).splitlines()[0]
+    finally:
+        result_path.write_text(json.dumps(row, default=str) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The parent: run the variants, compare, write the results
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "liger-kernel", "triton"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    import torch
+
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def run_variant(settings: Settings, variant: Variant, tmp: Path, index: int) -> dict[str, Any]:
+    spec = tmp / f"spec-{index}.json"
+    result = tmp / f"result-{index}.json"
+    work = tmp / f"work-{index}"
+    work.mkdir()
+    spec.write_text(
+        json.dumps(
+            {
+                "settings": asdict(settings),
+                "variant": asdict(variant),
+                "result_path": str(result),
+                "work_dir": str(work),
+            }
+        )
+    )
+    log_path = tmp / f"variant-{index}.log"
+    started = time.time()
+    with log_path.open("w") as log_file:
+        proc = subprocess.run(
+            [sys.executable, "-m", "exp.bench", "--worker", str(spec)], stdout=log_file, stderr=subprocess.STDOUT
+        )
+    row: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {"status": "failed"}
+    row["wall_s"] = round(time.time() - started, 1)
+    if proc.returncode != 0 and row["status"] == "ok":
+        row["status"] = "failed"
+    if row["status"] == "failed":
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        row["error"] = "\n".join(tail)
+        print(f"exp.bench: {variant.name} failed (exit {proc.returncode}); its output ends:", file=sys.stderr)
+        print("\n".join("    " + line for line in tail), file=sys.stderr)
+    return row
+
+
+def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], peak_tflops: float | None) -> None:
+    """Add tokens/s (median of the timed steps), peak GiB and MFU to a worker's row."""
+    timed = row.get("step_s", [])[settings.warmup :]
+    if row["status"] != "ok" or not timed:
+        return
+    median = statistics.median(timed)
+    row["step_s_median"] = round(median, 5)
+    row["tokens_per_s"] = round(settings.micro_batch * settings.seq / median, 1)
+    peak = row.get("peak_memory_bytes")
+    row["peak_memory_gib"] = round(peak / 2**30, 2) if peak is not None else None
+    row["mfu"] = round(row["tokens_per_s"] * flops["per_token"] / (peak_tflops * 1e12), 4) if peak_tflops else None
+
+
+def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float) -> None:
+    """Each row against the plain baseline of its micro-batch: speed-up, loss parity, identical LoRA init."""
+    for row in rows:
+        ref = next((r for r in rows if r["is_reference"] and r["micro_batch"] == row["micro_batch"]), None)
+        if ref is None or ref is row or ref["status"] != "ok" or row["status"] != "ok":
+            continue
+        row["speedup"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3) if ref.get("tokens_per_s") else None
+        k = min(parity_steps, len(ref["losses"]), len(row["losses"]))
+        diffs = [abs(a - b) / abs(b) for a, b in zip(row["losses"][:k], ref["losses"][:k], strict=True)]
+        row["parity"] = {
+            "steps": k,
+            "max_rel_loss_diff": max(diffs) if diffs else None,
+            "ok": bool(diffs) and max(diffs) <= tol,
+            "same_lora_init": row.get("lora_fingerprint") == ref.get("lora_fingerprint"),
+        }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [
+        f"# exp.bench: {s['model']}, seq {s['seq']}, LoRA r={s['lora_r']} alpha={s['lora_alpha']} "
+        f"dropout={s['lora_dropout']} on {', '.join(s['lora_targets'])}",
+        "",
+        f"Device: {report['device']}. Date: {report['date']}. Command: `{report['command']}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) + ".",
+        f"git: {report['git'].get('commit')}{' (dirty)' if report['git'].get('dirty') else ''}.",
+        "",
+        f"{s['steps']} steps per variant, the first {s['warmup']} untimed; tokens/s = micro-batch x seq / median "
+        "timed step; peak = `max_memory_allocated` after warm-up (CUDA); MFU = tokens/s x "
+        f"{report['flops']['per_token'] / 1e9:.4g} GFLOP/token (4N + attention) / "
+        + (f"{report['peak_tflops']:g} TFLOP/s. " if report["peak_tflops"] else "the GPU's peak (none on the CPU). ")
+        + f"Loss diff = max over the first {report['parity_steps']} steps of |loss - baseline| / baseline "
+        f"(tolerance {report['parity_tol']:.0%}).",
+        "",
+        "| variant | micro-batch | loss | ckpt | tokens/s | vs baseline | MFU | peak GiB | loss diff | same LoRA init "
+        "| status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(v: Any, spec: str = "") -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in report["rows"]:
+        parity = r.get("parity") or {}
+        diff = parity.get("max_rel_loss_diff")
+        lines.append(
+            f"| {r['variant']} | {r['micro_batch']} | {r.get('loss_impl', '-')} "
+            f"| {'full' if r.get('gradient_checkpointing') else 'none' if 'gradient_checkpointing' in r else '-'} "
+            f"| {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} "
+            f"| {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'))} "
+            f"| {'-' if diff is None else f'{diff:.2e}'} | {'-' if not parity else 'yes' if parity['same_lora_init'] else 'NO'} "
+            f"| {r['status']} |"
+        )
+    lines += ["", "Per-step losses:", "", "| step | " + " | ".join(r["variant"] for r in report["rows"]) + " |"]
+    lines.append("|---" * (len(report["rows"]) + 1) + "|")
+    n = max((len(r.get("losses", [])) for r in report["rows"]), default=0)
+    for i in range(n):
+        cells = [f"{r['losses'][i]:.5f}" if i < len(r.get("losses", [])) else "-" for r in report["rows"]]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m exp.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    d = Settings()
+    p.add_argument("--model", default=d.model, help="a conf/model option (random weights); default %(default)s")
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--micro-batch", type=int, nargs="+", default=[d.micro_batch], help="one or more (capacity)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per variant (losses of each kept)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed first steps")
+    p.add_argument("--lora-r", type=int, default=d.lora_r)
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
+    p.add_argument("--lora-targets", default="all", help="'all' (the 7 projections) or a comma-separated list")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument(
+        "--variant",
+        action="append",
+        metavar="SPEC",
+        help="'baseline [prepare|ckpt|liger|compile=true|false ...]' or 'exp [override ...]'; repeatable. "
+        "Default: baseline and exp",
+    )
+    p.add_argument(
+        "--ablate", action="store_true", help="run the ablation set (+ any --variant): " + "; ".join(ABLATION)
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="exp config overrides for every exp variant (levers: hardware.loss_impl=..., ...)"
+    )
+    p.add_argument("--parity-steps", type=int, default=PARITY_STEPS)
+    p.add_argument("--parity-tol", type=float, default=0.01, help="max relative loss difference (default 1%%)")
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="MFU denominator (GPU only)")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.steps <= a.warmup:
+        p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step would be timed")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    if a.worker:
+        worker_main(Path(a.worker))
+        return 0
+    from exp.config import ConfigError
+    from exp.memory import config_arch
+    from exp.tracking import _git_state
+    from exp.train import compose_config
+
+    device = a.device
+    targets = ALL_PROJECTIONS if a.lora_targets == "all" else a.lora_targets.split(",")
+    texts = list(dict.fromkeys([*(ABLATION if a.ablate else []), *(a.variant or [])])) or ["baseline", "exp"]
+    try:
+        check_overrides(a.overrides)
+        variants = [Variant.parse(t) for t in texts]
+        for v in variants:
+            if v.side == "exp":  # the name keeps the variant's own options; the run gets the common ones too
+                v.options = [*a.overrides, *v.options]
+        base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
+                        a.lora_dropout, list(targets), a.lr, a.seed, a.device)  # fmt: skip
+        cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
+    except (ValueError, ConfigError) as e:
+        print(f"exp.bench: error: {e}", file=sys.stderr)
+        return 2
+    import torch  # after the checks: a mistyped command line fails without loading it
+
+    if device == "auto":
+        device = base.device = "cuda" if torch.cuda.is_available() else "cpu"
+    arch = config_arch(cfg)
+    flops = model_flops_per_token(arch, a.seq)
+    peak_tflops = a.peak_tflops if device == "cuda" else None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    mbs = "-".join(map(str, a.micro_batch))
+    out = Path(a.out_dir) / f"bench-{a.model}-{a.seq}x{mbs}-{stamp}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": "python -m exp.bench " + " ".join(shlex.quote(x) for x in argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": device_name(device),
+        "versions": versions(),
+        "git": _git_state(ROOT),
+        "settings": {**asdict(base), "micro_batch": a.micro_batch},
+        "arch": arch,
+        "flops": {**flops, "formula": model_flops_per_token.__doc__.split("\n\n")[0].strip()},
+        "peak_tflops": peak_tflops,
+        "parity_steps": a.parity_steps,
+        "parity_tol": a.parity_tol,
+        "rows": [],
+    }
+    print(f"exp.bench: {len(variants)} variant(s) x micro-batch {a.micro_batch} on {report['device']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="exp-bench-") as tmp:
+        index = 0
+        for mb in a.micro_batch:
+            settings = Settings(**{**asdict(base), "micro_batch": mb})
+            for v in variants:
+                row = run_variant(settings, v, Path(tmp), index)
+                index += 1
+                row = {"variant": v.name, "side": v.side, "micro_batch": mb, "is_reference": v.is_reference, **row}
+                summarise(row, settings, flops, peak_tflops)
+                report["rows"].append(row)
+                compare(report["rows"], a.parity_steps, a.parity_tol)
+                out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+                out.with_suffix(".md").write_text(markdown(report))
+                print(
+                    f"  {v.name} (micro-batch {mb}): {row['status']}, {row.get('tokens_per_s', '-')} tokens/s, "
+                    f"peak {row.get('peak_memory_gib', '-')} GiB, {row['wall_s']} s",
+                    flush=True,
+                )
+    print(markdown(report).split("\nPer-step losses:")[0], flush=True)
+    print(f"exp.bench: wrote {out}.json and {out}.md", flush=True)
+    failed = [r["variant"] for r in report["rows"] if r["status"] == "failed"]
+    off = [r["variant"] for r in report["rows"] if r["side"] == "exp" and not r.get("parity", {}).get("ok", True)]
+    if failed or off:
+        print(f"exp.bench: failed: {failed}; losses off the baseline: {off}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The plain baseline of `exp.bench`: the QLoRA loop a user writes by hand with transformers + PEFT + bitsandbytes.
+
+This is the project's copy of ../shared/bench/qlora_baseline.py (the loop the LANDSCAPE figures were measured
+with), kept to its choices so that exp is compared with what people actually run:
+
+* the checkpoint loaded through `from_pretrained(quantization_config=BitsAndBytesConfig(NF4, double quant,
+  compute dtype bf16), dtype=bf16, attn_implementation="sdpa")`, the whole model on one device;
+* `peft.prepare_model_for_kbit_training` (which upcasts every non-4-bit weight to fp32, the tied 256k-row
+  embedding / head included), then full non-reentrant gradient checkpointing;
+* LoRA from `torch.manual_seed(seed)` + `get_peft_model`, `model.train()`;
+* `torch.optim.AdamW(lr)` with torch's defaults otherwise (weight decay 0.01, no clipping, no schedule);
+* every step: `model(input_ids=x, labels=x).loss` (transformers' loss over the full logits), backward, step,
+  `zero_grad(set_to_none=True)`, timed between two device synchronisations, `loss.item()` read every step.
+
+`BaselineOptions` are the levers qlora_baseline.py measured on top of it (its --no-prepare, --no-ckpt, --liger,
+--compile); all off is the baseline. On the CPU (the harness's smoke test) the compute dtype is float32, the only
+one bitsandbytes' CPU kernels train in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def token_batch(step: int, seed: int, micro_batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """The token ids of step `step`: the very batches qlora_baseline.py draws, so any implementation can use them."""
+    g = torch.Generator().manual_seed(seed + step)
+    return torch.randint(0, vocab, (micro_batch, seq), generator=g)
+
+
+@dataclass
+class BaselineOptions:
+    prepare: bool = True  # peft.prepare_model_for_kbit_training (false: only enable_input_require_grads)
+    ckpt: bool = True  # full gradient checkpointing of every decoder layer
+    liger: bool = False  # liger_kernel.transformers.apply_liger_kernel_to_gemma (its fused CE, RMSNorm, GeGLU, RoPE)
+    compile: bool = False  # torch.compile of every decoder layer
+
+    @classmethod
+    def parse(cls, options: list[str]) -> BaselineOptions:
+        """`["prepare=false", "liger=true"]` -> options; unknown names or values raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        values: dict[str, bool] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in known or value.lower() not in ("true", "false"):
+                raise ValueError(
+                    f"baseline option {option!r}: expected NAME=true|false with NAME one of {', '.join(sorted(known))}"
+                )
+            values[key] = value.lower() == "true"
+        return cls(**values)
+
+
+def lora_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of every trainable tensor (name order, float32 bytes): equal fingerprints, identical LoRA init."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def lora_b_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all LoRA B matrices: they start at zero, so after training it says how far the adapters moved."""
+    squares = [p.detach().float().pow(2).sum() for n, p in model.named_parameters() if "lora_B" in n]
+    return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+
+
+def run_baseline(
+    checkpoint: str,
+    *,
+    seq: int,
+    micro_batch: int,
+    steps: int,
+    warmup: int,
+    lora_r: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    lora_targets: list[str],
+    lr: float,
+    seed: int,
+    device: str,
+    options: BaselineOptions,
+) -> dict[str, Any]:
+    """Load, wrap and train `steps` steps; the first `warmup` are not timed and precede the peak-memory reset."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if options.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_gemma
+
+        apply_liger_kernel_to_gemma()
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+    )
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        quantization_config=quant,
+        device_map={"": 0 if cuda else "cpu"},
+        dtype=dtype,
+        attn_implementation="sdpa",
+    )
+    load_s = time.perf_counter() - started
+    if options.prepare:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=options.ckpt)
+    else:
+        model.enable_input_require_grads()
+    if options.ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(seed)
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=list(lora_targets),
+            task_type="CAUSAL_LM",
+        ),
+    )
+    if options.compile:
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    model.train()  # from_pretrained returns eval mode: checkpointing and dropout act only in train mode
+    fingerprint = lora_fingerprint(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    vocab = model.config.vocab_size
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    times: list[float] = []
+    losses: list[float] = []
+    peak = None
+    for i in range(steps):
+        if i == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        x = token_batch(i, seed, micro_batch, seq, vocab).to(model.device)
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    return {
+        "load_s": round(load_s, 2),
+        "step_s": times,
+        "losses": losses,
+        "peak_memory_bytes": peak,
+        "lora_fingerprint": fingerprint,
+        "lora_b_norm": lora_b_norm(model),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "loss_impl": "liger" if options.liger else "hf",
+        "gradient_checkpointing": options.ckpt,
+        # No autocast: what runs in bf16 is what bitsandbytes computes in its compute dtype; prepare's fp32 upcast
+        # makes the embedding, head and norms fp32.
+        "precision": ("bf16 + fp32 upcast" if options.prepare else "bf16") if cuda else "float32",
+    }

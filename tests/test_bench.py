@@ -1,0 +1,204 @@
+"""exp.bench and the loss levers: the harness end to end on the CPU (a smoke test of the harness, not a speed
+claim), exp's chunked loss against transformers' loss, and where each loss implementation is chosen."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, compose_typed
+
+from exp.config import ConfigError, LossImpl, Strategy
+from exp.data import IGNORE_INDEX, collate, encode_example
+from exp.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
+from exp.model import build_model, build_tokenizer
+from exp.module import build_optimizer
+from exp.synthetic import generate_examples
+
+SMOKE = ["--model", "gemma_tiny", "--seq", "64", "--micro-batch", "2", "--steps", "5", "--warmup", "2"]
+
+
+def run_bench(out_dir, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "exp.bench", *args, "--out-dir", str(out_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def read_report(out_dir) -> tuple[dict, str]:
+    [path] = out_dir.glob("bench-*.json")
+    return json.loads(path.read_text()), path.with_suffix(".md").read_text()
+
+
+def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path):
+    # lr 5e-3 so that four updates move the adapters visibly (compared below through the LoRA B norms).
+    proc = run_bench(
+        tmp_path, *SMOKE, "--lr", "5e-3", "--variant", "baseline", "--variant", "exp",
+        "--variant", "exp hardware.loss_impl=chunked",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report, md = read_report(tmp_path)
+    for key in ("command", "date", "device", "versions", "git", "settings", "flops", "rows", "parity_steps"):
+        assert key in report, key
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "cuda"):
+        assert name in report["versions"]
+    assert report["command"].startswith("python -m exp.bench --model gemma_tiny")
+    assert report["flops"]["per_token"] == report["flops"]["linear"] + report["flops"]["attention"]
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert list(rows) == ["baseline", "exp", "exp hardware.loss_impl=chunked"]
+    base = rows["baseline"]
+    for r in rows.values():
+        assert r["status"] == "ok", r.get("error")
+        assert len(r["losses"]) == 5 and all(math.isfinite(v) for v in r["losses"])
+        assert len(r["step_s"]) == 5 and r["tokens_per_s"] > 0
+        assert r["peak_memory_gib"] is None and r["mfu"] is None  # CUDA-only measures: null on the CPU
+        assert r["lora_b_norm"] > 0  # the adapters trained
+    assert base["loss_impl"] == "hf" and base["gradient_checkpointing"] is True
+    assert rows["exp"]["loss_impl"] == "hf"  # auto on the CPU
+    assert rows["exp hardware.loss_impl=chunked"]["loss_impl"] == "chunked"
+    for name in ("exp", "exp hardware.loss_impl=chunked"):
+        r = rows[name]
+        assert r["parity"]["ok"] and r["parity"]["steps"] == 5 and r["parity"]["same_lora_init"]
+        assert r["parity"]["max_rel_loss_diff"] <= 0.01
+        # Same updates, not only the same first loss: the adapters end where the baseline's do.
+        assert r["lora_b_norm"] == pytest.approx(base["lora_b_norm"], rel=1e-3)
+        assert r["speedup"] > 0
+    # float32 on the CPU: exp's step is the hand-written loop's arithmetic.
+    assert rows["exp"]["parity"]["max_rel_loss_diff"] < 1e-5
+    assert "| baseline | 2 | hf | full |" in md and "| exp hardware.loss_impl=chunked | 2 | chunked | none |" in md
+
+
+def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
+    proc = run_bench(tmp_path, *SMOKE, "lora.r=4")
+    assert proc.returncode == 2 and "set by exp.bench for both sides" in proc.stderr
+    proc = run_bench(tmp_path, *SMOKE, "--variant", "baseline fused=true")
+    assert proc.returncode == 2 and "ckpt, compile, liger, prepare" in proc.stderr
+    assert not list(tmp_path.glob("bench-*"))
+
+
+def test_flops_per_token_of_the_gemma_7b_shape():
+    from exp.bench import model_flops_per_token
+    from exp.memory import config_arch
+
+    arch = config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
+    flops = model_flops_per_token(arch, 2048)
+    assert flops["n_params"] == 8_537_505_792  # the published 8.54 B, embedding (= head) counted once
+    assert flops["per_token"] / 1e9 == pytest.approx(35.56, abs=0.01)  # 4N + causal attention
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_chunked_cross_entropy_matches_torch_in_loss_and_gradients(softcap):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    t[::3] = IGNORE_INDEX
+
+    def reference(h, w):
+        z = h @ w.t()
+        z = torch.tanh(z / softcap) * softcap if softcap else z
+        return F.cross_entropy(z, t, ignore_index=IGNORE_INDEX)
+
+    expected, grads = reference(h, w), torch.autograd.grad(reference(h, w), (h, w))
+    got = chunked_linear_cross_entropy(h, w, t, softcap, chunk_tokens=5)  # 8 chunks, the last one short
+    got_grads = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_grads, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation: no gradients computed, the same loss
+        assert chunked_linear_cross_entropy(h, w, t, softcap, 5).item() == pytest.approx(got.item())
+    nothing = torch.full_like(t, IGNORE_INDEX)  # no loss-bearing token: NaN, as torch's mean
+    assert chunked_linear_cross_entropy(h, w, nothing, softcap, 5).isnan()
+
+
+def response_only_batch(cfg, n: int = 4) -> dict[str, torch.Tensor]:
+    """Synthetic examples with exp's labels: prompt and padding IGNORE_INDEX, the loss on the responses only."""
+    tok = build_tokenizer(cfg.model)
+    rows = generate_examples(n, seed=7)
+    batch = collate([encode_example(tok, r, 128, False)[0] for r in rows], tok.pad_token_id)
+    assert (batch["labels"] == IGNORE_INDEX).any() and (batch["attention_mask"] == 0).any()
+    return batch
+
+
+def loss_and_grads(model, batch, impl: LossImpl) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, batch, impl)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_chunked_loss_matches_transformers_loss_on_the_4bit_model(monkeypatch: pytest.MonkeyPatch):
+    import exp.loss
+
+    cfg = compose_typed(["lora=all_linear", "lora.dropout=0", "logger=none"])
+    model = build_model(cfg, "cpu")
+    batch = response_only_batch(cfg)
+    # 7 tokens per chunk (the tiny vocabulary would otherwise fit one chunk): many chunks, a short last one.
+    monkeypatch.setattr(exp.loss, "CHUNK_LOGIT_BYTES", 7 * 4 * model.config.vocab_size)
+    hf_loss, hf_grads = loss_and_grads(model, batch, LossImpl.hf)
+    ch_loss, ch_grads = loss_and_grads(model, batch, LossImpl.chunked)
+    assert ch_loss == pytest.approx(hf_loss, rel=1e-6)
+    assert hf_grads.keys() == ch_grads.keys() and len(hf_grads) == 2 * 7 * 4  # A and B of 7 projections x 4 layers
+    for k, g in hf_grads.items():
+        torch.testing.assert_close(ch_grads[k], g, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_loss_keeps_gemma2_final_logit_softcap():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, final_logit_softcapping=2.0, attn_implementation="eager",
+        initializer_range=0.2,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).train()  # every weight trained, the tied head too: its gradient is checked
+    batch = response_only_batch(compose_typed(["logger=none"]))
+    hf_loss, hf_grads = loss_and_grads(model, batch, LossImpl.hf)
+    ch_loss, ch_grads = loss_and_grads(model, batch, LossImpl.chunked)
+    assert ch_loss == pytest.approx(hf_loss, rel=1e-6)
+    for k, g in hf_grads.items():
+        torch.testing.assert_close(ch_grads[k], g, rtol=1e-4, atol=1e-6)
+    # The softcap matters here: without it the loss would differ.
+    model.config.final_logit_softcapping = None
+    uncapped, _ = loss_and_grads(model, batch, LossImpl.chunked)
+    assert abs(uncapped - hf_loss) > 1e-3
+
+
+def test_loss_impl_is_resolved_per_device_with_fallbacks():
+    cfg = compose_typed(["logger=none"])
+    model = build_model(cfg, "cpu")
+    cpu = torch.device("cpu")
+    assert resolve_loss_impl(cfg, model, cpu).impl == LossImpl.hf  # auto on the CPU: the reference numbers
+    cfg.hardware.loss_impl = LossImpl.chunked
+    assert resolve_loss_impl(cfg, model, cpu).impl == LossImpl.chunked
+    cfg.hardware.strategy = Strategy.fsdp
+    choice = resolve_loss_impl(cfg, model, cpu)
+    assert choice.impl == LossImpl.hf and "FSDP" in choice.reason
+    # A trained head (modules_to_save) is more than the head's weight: transformers' loss, saying why.
+    cfg = compose_typed(["logger=none", "hardware.loss_impl=chunked", "lora.modules_to_save=[lm_head]"])
+    choice = resolve_loss_impl(cfg, build_model(cfg, "cpu"), cpu)
+    assert choice.impl == LossImpl.hf and "ModulesToSaveWrapper" in choice.reason
+    with pytest.raises(ConfigError, match="loss_impl=liger on the CPU"):
+        compose_typed(["hardware.loss_impl=liger"])
+
+
+def test_fused_adamw_only_on_cuda_parameters():
+    cfg = compose_typed(["logger=none"])
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert not build_optimizer(cfg.trainer, params, fused=True).defaults.get("fused")
+
+
+@pytest.mark.gpu
+def test_bench_on_gpu_uses_the_fast_path(tmp_path):
+    proc = run_bench(tmp_path, *SMOKE, "--variant", "baseline", "--variant", "exp")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report, _ = read_report(tmp_path)
+    rows = {r["variant"]: r for r in report["rows"]}
+    exp = rows["exp"]
+    assert exp["status"] == "ok" and exp["parity"]["ok"] and exp["parity"]["same_lora_init"]
+    assert exp["loss_impl"] in ("liger", "chunked") and exp["fused_adamw"] is True
+    assert exp["peak_memory_gib"] > 0 and exp["mfu"] > 0 and rows["baseline"]["peak_memory_gib"] > 0
