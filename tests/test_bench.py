@@ -70,6 +70,17 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path)
     assert rows["exp"]["parity"]["max_rel_loss_diff"] < 1e-5
     assert "| baseline | 2 | hf | full |" in md and "| exp hardware.loss_impl=chunked | 2 | chunked | none |" in md
 
+    # A later invocation (a split ablation) can take the baseline from this result instead of running it again,
+    # only when it was measured with the same settings.
+    [first] = tmp_path.glob("bench-*.json")
+    again = tmp_path / "again"
+    proc = run_bench(again, *SMOKE, "--lr", "5e-3", "--variant", "baseline", "--reference", str(first))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reused, _ = read_report(again)
+    assert [r["variant"] for r in reused["rows"]] == ["baseline"] and reused["rows"][0]["reference_from"] == str(first)
+    proc = run_bench(again, *SMOKE, "--reference", str(first))  # lr 1e-4: not the same settings
+    assert proc.returncode == 2 and "'lr': (0.005, 0.0001)" in proc.stderr
+
 
 def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
     proc = run_bench(tmp_path, *SMOKE, "lora.r=4")

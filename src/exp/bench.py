@@ -475,6 +475,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {'-' if diff is None else f'{diff:.2e}'} | {'-' if not parity else 'yes' if parity['same_lora_init'] else 'NO'} "
             f"| {r['status']} |"
         )
+    lines += [f"\n{r['variant']} (micro-batch {r['micro_batch']}): reused from {r['reference_from']}"
+              for r in report["rows"] if r.get("reference_from")]  # fmt: skip
     lines += ["", "Per-step losses:", "", "| step | " + " | ".join(r["variant"] for r in report["rows"]) + " |"]
     lines.append("|---" * (len(report["rows"]) + 1) + "|")
     n = max((len(r.get("losses", [])) for r in report["rows"]), default=0)
@@ -482,6 +484,25 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [f"{r['losses'][i]:.5f}" if i < len(r.get("losses", [])) else "-" for r in report["rows"]]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
+    """The plain baseline's rows of an earlier result, if it was measured with these settings (for split runs)."""
+    earlier = json.loads(path.read_text())
+    mine = {**asdict(settings), "micro_batch": None}
+    theirs = {**earlier["settings"], "micro_batch": None}
+    if mine != theirs:
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        raise ValueError(f"--reference {path}: measured with other settings (theirs, ours): {diff}")
+    rows = [
+        {**r, "reference_from": str(path)}
+        for r in earlier["rows"]
+        if r["is_reference"] and r["micro_batch"] in micro_batches and r["status"] == "ok"
+    ]
+    missing = sorted(set(micro_batches) - {r["micro_batch"] for r in rows})
+    if missing:
+        raise ValueError(f"--reference {path}: no successful plain-baseline row for micro-batch {missing}")
+    return rows
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -517,6 +538,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parity-steps", type=int, default=PARITY_STEPS)
     p.add_argument("--parity-tol", type=float, default=0.01, help="max relative loss difference (default 1%%)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="MFU denominator (GPU only)")
+    p.add_argument(
+        "--reference",
+        metavar="JSON",
+        help="take the plain baseline's rows from this earlier result (same settings) instead of running it again",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -531,12 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker_main(Path(a.worker))
         return 0
+    import torch
+
     from exp.config import ConfigError
     from exp.memory import config_arch
     from exp.tracking import _git_state
     from exp.train import compose_config
 
-    device = a.device
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     targets = ALL_PROJECTIONS if a.lora_targets == "all" else a.lora_targets.split(",")
     texts = list(dict.fromkeys([*(ABLATION if a.ablate else []), *(a.variant or [])])) or ["baseline", "exp"]
     try:
@@ -546,15 +574,19 @@ def main(argv: list[str] | None = None) -> int:
             if v.side == "exp":  # the name keeps the variant's own options; the run gets the common ones too
                 v.options = [*a.overrides, *v.options]
         base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
-                        a.lora_dropout, list(targets), a.lr, a.seed, a.device)  # fmt: skip
+                        a.lora_dropout, list(targets), a.lr, a.seed, device)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
     except (ValueError, ConfigError) as e:
         print(f"exp.bench: error: {e}", file=sys.stderr)
         return 2
-    import torch  # after the checks: a mistyped command line fails without loading it
-
-    if device == "auto":
-        device = base.device = "cuda" if torch.cuda.is_available() else "cpu"
+    reused: list[dict[str, Any]] = []
+    if a.reference:
+        try:
+            reused = reference_rows(Path(a.reference), base, a.micro_batch)
+        except ValueError as e:
+            print(f"exp.bench: error: {e}", file=sys.stderr)
+            return 2
+        variants = [v for v in variants if not v.is_reference]
     arch = config_arch(cfg)
     flops = model_flops_per_token(arch, a.seq)
     peak_tflops = a.peak_tflops if device == "cuda" else None
@@ -574,8 +606,15 @@ def main(argv: list[str] | None = None) -> int:
         "peak_tflops": peak_tflops,
         "parity_steps": a.parity_steps,
         "parity_tol": a.parity_tol,
-        "rows": [],
+        "rows": reused,
     }
+
+    def write() -> None:  # after every variant: an interrupted run keeps what it measured
+        compare(report["rows"], a.parity_steps, a.parity_tol)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(markdown(report))
+
+    write()
     print(f"exp.bench: {len(variants)} variant(s) x micro-batch {a.micro_batch} on {report['device']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="exp-bench-") as tmp:
         index = 0
@@ -587,9 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"variant": v.name, "side": v.side, "micro_batch": mb, "is_reference": v.is_reference, **row}
                 summarise(row, settings, flops, peak_tflops)
                 report["rows"].append(row)
-                compare(report["rows"], a.parity_steps, a.parity_tol)
-                out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-                out.with_suffix(".md").write_text(markdown(report))
+                write()
                 print(
                     f"  {v.name} (micro-batch {mb}): {row['status']}, {row.get('tokens_per_s', '-')} tokens/s, "
                     f"peak {row.get('peak_memory_gib', '-')} GiB, {row['wall_s']} s",
