@@ -135,7 +135,9 @@ class QLoRAModule(L.LightningModule):
         self.skipped_steps = 0
         self.tracking_ids: dict[str, str] = {}
         self._rng_to_restore: dict[str, Any] | None = None
-        self._loss_finite = True
+        # Any non-finite micro-batch loss since the last optimiser step, kept on the device (no host sync per
+        # micro-batch); read once per optimiser step.
+        self._loss_bad: torch.Tensor | bool = False
         # Where to go back to after a NaN (train() points it at the run's checkpoints): named in the message.
         self.last_good_checkpoint: Callable[[], str | None] = lambda: None
         # The training loss's implementation (hardware.loss_impl resolved for this device and model).
@@ -162,7 +164,7 @@ class QLoRAModule(L.LightningModule):
         # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.loss).
         loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
         value = loss.detach()
-        self._loss_finite = self._loss_finite and bool(torch.isfinite(value))
+        self._loss_bad = ~torch.isfinite(value) | self._loss_bad
         self.log("train/loss", value, prog_bar=True)
         return loss
 
@@ -173,10 +175,11 @@ class QLoRAModule(L.LightningModule):
         self.log("train/lr", optimizer.param_groups[0]["lr"])
         # fp16's loss scaler skips steps with inf gradients itself (and lowers the scale): only the loss counts there.
         check_grads = self.trainer.precision not in ("16-mixed", "16")
-        bad = torch.tensor(
-            float(not self._loss_finite or (check_grads and not torch.isfinite(norm))), device=norm.device
-        )
-        self._loss_finite = True
+        bad = torch.as_tensor(self._loss_bad, device=norm.device)
+        if check_grads:
+            bad = bad | ~torch.isfinite(norm)
+        bad = bad.float()  # one flag per rank; the only host sync of the step is reading it below
+        self._loss_bad = False
         if self.trainer.world_size > 1:  # the loss differs per rank; every rank must take the same decision
             bad = self.trainer.strategy.reduce(bad, reduce_op="max")
         if bad.item():
