@@ -335,7 +335,10 @@ class QLoRAModule(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        from exp.fsdp import clean_name
+
+        # Plain names: under FSDP the module paths carry wrapper names, the (gathered) checkpoint does not.
+        trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["exp"] = {
             "batches_seen": self.batches_seen,

@@ -177,20 +177,15 @@ def save_adapter(module, trainer, adapter_dir: Path) -> None:
     """Write the adapter in PEFT's format from rank 0; under FSDP every rank takes part in gathering it first."""
     from exp.config import Strategy
 
-    state_dict = None
     if module.cfg.hardware.strategy == Strategy.fsdp:
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from exp.fsdp import gather_trainable, save_peft_adapter
 
-        with FSDP.state_dict_type(
-            trainer.strategy.model,
-            StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
-        ):
-            full = trainer.strategy.model.state_dict()
-        state_dict = {k.removeprefix("model."): v for k, v in full.items() if "lora_" in k}
+        full = gather_trainable(trainer.strategy.model, module)
+        if trainer.is_global_zero:
+            save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, adapter_dir)
+        return
     if trainer.is_global_zero:
-        module.model.save_pretrained(adapter_dir, state_dict=state_dict)  # adapter_config.json + safetensors
+        module.model.save_pretrained(adapter_dir)  # adapter_config.json + safetensors
 
 
 def print_summary(s: dict, output_dir: Path) -> None:

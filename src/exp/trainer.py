@@ -25,13 +25,13 @@ def build_strategy(cfg: TrainConfig):
         return DDPStrategy(find_unused_parameters=False)
     if hw.strategy == Strategy.fsdp:
         import torch
-        from lightning.pytorch.strategies import FSDPStrategy
         from torch.distributed.fsdp import MixedPrecision
 
+        from exp.fsdp import QLoRAFSDPStrategy
         from exp.model import compute_dtype, decoder_layer_class
 
         dtype = compute_dtype(hw.precision)
-        return FSDPStrategy(
+        return QLoRAFSDPStrategy(
             auto_wrap_policy={decoder_layer_class(cfg.model.family)},
             # Frozen 4-bit and trainable adapter weights share a wrapped layer: keep the original parameters.
             use_orig_params=True,
