@@ -86,6 +86,23 @@ class QLoRAFSDPStrategy(FSDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return gather_trainable(self.model, self.lightning_module)
 
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Every rank's own optimiser state (the Adam moments of its shards of the adapters), in rank order.
+
+        The adapters' optimiser state is small, so each rank's local state is gathered as it is, instead of FSDP's
+        full-state re-sharding: on the CPU reproduction, `optim_state_dict_to_load` gave rank 1 no Adam state at all
+        for its shards after a resume. The price: an FSDP run resumes on the same number of processes.
+        """
+        import torch.distributed as dist
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        local = _to_cpu(optimizer.state_dict())
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return {"per_rank": gathered}
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -95,15 +112,23 @@ class QLoRAFSDPStrategy(FSDPStrategy):
         return checkpoint
 
     def _load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
-        """Lightning's own restore of a full (rank-0, id-keyed) FSDP optimiser state, on every rank."""
-        from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import OptimStateKeyType
+        from exp.config import ConfigError
 
-        with _get_full_state_dict_context(self.model, world_size=self.world_size, rank0_only=False):
-            for optimizer, state in zip(self.optimizers, states, strict=True):
-                if state["state"] and isinstance(next(iter(state["state"])), int):
-                    state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
-                optimizer.load_state_dict(
-                    FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer, optim_state_dict=state)
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            per_rank = state["per_rank"]
+            if len(per_rank) != self.world_size:
+                raise ConfigError(
+                    f"trainer.resume: the checkpoint was written by an FSDP run of {len(per_rank)} processes and this "
+                    f"run has {self.world_size}; resume it with hardware.devices={len(per_rank)}"
                 )
+            optimizer.load_state_dict(per_rank[self.global_rank])
+
+
+def _to_cpu(x: Any) -> Any:
+    if torch.is_tensor(x):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_to_cpu(v) for v in x)
+    return x

@@ -345,15 +345,37 @@ class QLoRAModule(L.LightningModule):
             "skipped_steps": self.skipped_steps,
             "initial_val": self.initial_val,
             "tracking_ids": dict(self.tracking_ids),
-            "rng": capture_rng(self.device),
+            "rng": self._rng_per_rank(),
         }
+
+    def _rng_per_rank(self) -> list[dict[str, Any]]:
+        """Every rank's random states, in rank order. The ranks' states differ after the first step (each draws
+        dropout masks for its own batch shapes), so each rank must get its own back. Lightning writes checkpoints on
+        every rank at the same point, so the gather is collective-safe."""
+        mine = capture_rng(self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, {k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
+        return gathered
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["exp"]
         self.batches_seen = state["batches_seen"]
         self.skipped_steps = state["skipped_steps"]
         self.initial_val = state["initial_val"]
-        self._rng_to_restore = state["rng"]
+        per_rank = state["rng"]
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        if len(per_rank) != world:
+            log.warning(
+                "the checkpoint was written by %d process(es), this run has %d: dropout masks will differ from an "
+                "uninterrupted run",
+                len(per_rank),
+                world,
+            )
+        self._rng_to_restore = per_rank[rank % len(per_rank)]
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if datamodule is not None:  # continue the data stream right after the last batch trained on
             datamodule.resume_at(self.batches_seen)
