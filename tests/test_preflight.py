@@ -206,3 +206,14 @@ def test_doctor_reports_and_exits_by_verdict():
             timeout=300,
         )
         assert bad.returncode == PREFLIGHT_EXIT and "PROBLEM" in bad.stdout
+
+
+def test_auto_resolving_to_the_cpu_still_refuses_what_the_cpu_cannot_run():
+    result = check(compose_typed(["hardware=auto", "quantization=int8"]), Environment(torch_cuda=None))
+    assert keys(result) == ["hardware=auto"]
+    assert "quantization=int8 needs a GPU" in result.findings[0].message
+
+
+def test_auto_resolving_to_the_cpu_accepts_a_valid_config():
+    result = check(compose_typed(["hardware=auto"]), Environment(torch_cuda=None))
+    assert result.ok and result.cfg.hardware.accelerator.value == "cpu"

@@ -403,6 +403,12 @@ def _secret_keys(path: str, node: Any) -> list[str]:
     return problems
 
 
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """The cross-field checks of the schema, for a config whose values changed after construction (the preflight
+    resolving `auto`)."""
+    return _validate(cfg)
+
+
 def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
     if hw.devices == -1 and hw.strategy in (Strategy.ddp, Strategy.fsdp, Strategy.auto):
