@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from exp.checkpoints import read_checkpoint
 from exp.config import Strategy
 from exp.train import compose_config, train
 
@@ -49,5 +50,7 @@ if __name__ == "__main__":
     cfg.hardware.precision = "32-true"
     out.mkdir(parents=True, exist_ok=True)
     if len(sys.argv) > 3:  # what exp.train's resume step would record
-        (out / "resume.json").write_text(json.dumps({"checkpoint": sys.argv[3], "run": "", "step": 3}))
+        ids = read_checkpoint(Path(sys.argv[3]))["exp"]["tracking_ids"]
+        record = {"checkpoint": sys.argv[3], "run": "", "step": 3, "tracking_ids": ids}
+        (out / "resume.json").write_text(json.dumps(record))
     train(cfg, out, manage_run_dir=False)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import compose_typed
 
-from exp.data import IGNORE_INDEX, LengthGroupedBatchSampler, collate, encode_example, padding_stats
+from exp.data import IGNORE_INDEX, collate, encode_example, length_grouped_batches, padding_stats
 from exp.packing import pack
 
 
@@ -87,14 +87,13 @@ def test_length_grouping_cuts_padding_and_is_seeded():
 
     lengths = [(i * 37) % 200 + 5 for i in range(400)]
     rows = [E(input_ids=[1] * n, labels=[1] * n) for n in lengths]
-    sampler = LengthGroupedBatchSampler(lengths, 8, seed=0)
-    grouped = sampler.batches(0)
+    grouped = length_grouped_batches(lengths, 8, seed=0, epoch=0)
     assert sorted(i for b in grouped for i in b) == list(range(400))
     random_batches = [list(range(k, k + 8)) for k in range(0, 400, 8)]
     assert (
         padding_stats(rows, grouped)["padding_fraction"] < 0.1 < padding_stats(rows, random_batches)["padding_fraction"]
     )
-    assert LengthGroupedBatchSampler(lengths, 8, seed=0).batches(0) == grouped != sampler.batches(1)
+    assert length_grouped_batches(lengths, 8, seed=0, epoch=0) == grouped != length_grouped_batches(lengths, 8, 0, 1)
 
 
 def test_packed_training_runs_end_to_end(tmp_path):

@@ -371,39 +371,23 @@ def shuffled_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[lis
     return [order[k : k + batch_size] for k in range(0, n - batch_size + 1, batch_size)]
 
 
-class LengthGroupedBatchSampler(Sampler[list[int]]):
-    """Batches of similar-length examples in a seeded random order (less padding than random batches).
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of full batches of similar-length examples in a seeded random order (less padding than random).
 
-    Each epoch: shuffle, cut into mega-batches of 50 batches, sort each by length, cut into batches, shuffle the
-    batches. The order depends only on `seed` and the epoch.
+    Shuffle, cut into mega-batches of 50 batches, sort each by length, cut into batches, shuffle the batches; the
+    order depends only on (seed, epoch).
     """
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, drop_last: bool = True):
-        self.lengths, self.batch_size, self.seed, self.drop_last = lengths, batch_size, seed, drop_last
-        self.epoch = 0
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        rng = epoch_rng(self.seed, epoch)
-        order = list(range(len(self.lengths)))
-        rng.shuffle(order)
-        mega = self.batch_size * 50
-        batches = []
-        for s in range(0, len(order), mega):
-            group = sorted(order[s : s + mega], key=lambda i: -self.lengths[i])
-            batches += [group[k : k + self.batch_size] for k in range(0, len(group), self.batch_size)]
-        if self.drop_last:
-            batches = [b for b in batches if len(b) == self.batch_size]
-        rng.shuffle(batches)
-        return batches
-
-    def __iter__(self):
-        batches = self.batches(self.epoch)
-        self.epoch += 1
-        return iter(batches)
-
-    def __len__(self) -> int:
-        n = len(self.lengths) // self.batch_size
-        return n if self.drop_last else -(-len(self.lengths) // self.batch_size)
+    rng = epoch_rng(seed, epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    mega = batch_size * 50
+    batches = []
+    for s in range(0, len(order), mega):
+        group = sorted(order[s : s + mega], key=lambda i: -lengths[i])
+        batches += [group[k : k + batch_size] for k in range(0, len(group), batch_size)]
+    batches = [b for b in batches if len(b) == batch_size]
+    rng.shuffle(batches)
+    return batches
 
 
 class TrainStream(Sampler[list[int]]):
@@ -561,7 +545,7 @@ class InstructionDataModule(L.LightningDataModule):
     def train_epoch_batches(self, epoch: int) -> list[list[int]]:
         """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
         if self.cfg.group_by_length and self.packed is None:
-            return LengthGroupedBatchSampler(self._lengths(), self.micro_batch_size, self.cfg.seed).batches(epoch)
+            return length_grouped_batches(self._lengths(), self.micro_batch_size, self.cfg.seed, epoch)
         rows = self.packed if self.packed is not None else self.train_set
         return shuffled_batches(len(rows), self.micro_batch_size, self.cfg.seed, epoch)
 

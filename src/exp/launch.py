@@ -68,9 +68,14 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank))
         procs.append(subprocess.Popen([sys.executable, "-m", "exp.launch", "worker", str(run_dir)], env=env))
     status = 0
+
     # A scheduler's SIGTERM / SIGUSR1 (preemption) goes to this process: pass it on, so that every worker
     # checkpoints at the same step and exits for a requeue.
-    forward = {sig: signal.signal(sig, lambda signum, _: [p.send_signal(signum) for p in procs]) for sig in SIGNALS}
+    def pass_on(signum: int, _frame) -> None:
+        for p in procs:
+            p.send_signal(signum)
+
+    forward = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
     try:
         while procs:
             for p in list(procs):

@@ -309,9 +309,10 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
         hw.precision = "32-true" if not on_gpu else "bf16-mixed"
     # The schema's cross-field checks once more, on the resolved values: `hardware=auto` may have become the CPU,
     # where e.g. int8 quantization or a paged optimizer cannot run.
-    resolved = [p for p in config_problems(cfg) if p not in batch_problems(hw, cfg.trainer)]
+    batch = batch_problems(hw, cfg.trainer)
+    resolved = [p for p in config_problems(cfg) if p not in batch]
     findings += [Finding("hardware=auto", f"resolved for this machine, the config is invalid: {p}") for p in resolved]
-    findings += [Finding("trainer.global_batch_size", p) for p in batch_problems(hw, cfg.trainer)]
+    findings += [Finding("trainer.global_batch_size", p) for p in batch]
     return PreflightResult(cfg, findings, notes)
 
 

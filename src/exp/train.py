@@ -46,8 +46,8 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     `output_dir` (written by `execute`) names the checkpoint to continue from.
     """
     import lightning as L
+    import torch
 
-    from exp.checkpoints import read_checkpoint
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
@@ -69,8 +69,8 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
         module = QLoRAModule(cfg)
         checkpoint = Path(resume["checkpoint"]) if resume else None
-        if checkpoint:
-            module.tracking_ids = dict(read_checkpoint(checkpoint)["exp"]["tracking_ids"])
+        if resume:
+            module.tracking_ids = dict(resume["tracking_ids"])
         if cfg.logger.kind.value == "wandb":
             module.tracking_ids.setdefault("wandb", new_wandb_run_id())
         module.last_good_checkpoint = functools.partial(_last_good_checkpoint, output_dir, checkpoint)
@@ -84,7 +84,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
-        except torch_oom() as e:
+        except torch.OutOfMemoryError as e:
             from exp.faults import oom_diagnosis
 
             raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
@@ -135,12 +135,6 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         finish_loggers(loggers, ok, preempted)
         if ok and manage_run_dir:
             write_status(output_dir, "completed")
-
-
-def torch_oom() -> type[BaseException]:
-    import torch
-
-    return torch.OutOfMemoryError
 
 
 def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | None:
@@ -215,7 +209,12 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
 
     point = resolve(cfg, config_dict(cfg), output_dir, launch_dir)
     if point is not None:
-        record = {"checkpoint": str(point.checkpoint), "run": str(point.run_dir), "step": point.step}
+        record = {
+            "checkpoint": str(point.checkpoint),
+            "run": str(point.run_dir),
+            "step": point.step,
+            "tracking_ids": point.state["exp"]["tracking_ids"],  # the W&B run to continue
+        }
         write_json(output_dir / RESUME_RECORD, record)
 
 
