@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from exp.checkpoints import read_checkpoint
 from exp.config import Strategy
+from exp.launch import close_process_group
 from exp.train import compose_config, train
 
 _AcceleratorConnector._check_strategy_and_fallback = lambda self: None  # "fsdp requires a GPU accelerator"
@@ -53,4 +54,7 @@ if __name__ == "__main__":
         ids = read_checkpoint(Path(sys.argv[3]))["exp"]["tracking_ids"]
         record = {"checkpoint": sys.argv[3], "run": "", "step": 3, "tracking_ids": ids}
         (out / "resume.json").write_text(json.dumps(record))
-    train(cfg, out, manage_run_dir=False)
+    try:
+        train(cfg, out, manage_run_dir=False)
+    finally:
+        close_process_group()  # as exp's own workers do: gloo's threads must not meet interpreter shutdown

@@ -220,7 +220,7 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
 
 def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
     """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
-    from exp.launch import launch_workers, needs_launch
+    from exp.launch import close_process_group, launch_workers, needs_launch
     from exp.preemption import REQUEUE_EXIT
     from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
 
@@ -235,7 +235,10 @@ def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) 
     cfg = check.cfg
     prepare_resume(cfg, output_dir, launch_dir or Path.cwd())
     if not needs_launch(cfg):
-        return train(cfg, output_dir)
+        try:
+            return train(cfg, output_dir)
+        finally:
+            close_process_group()  # under torchrun / SLURM this process is a rank: same exit hazard as exp's workers
     write_run_config(cfg, output_dir)
     write_status(output_dir, "running")
     log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
