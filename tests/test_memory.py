@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_typed
 
+from exp import loss, memory
 from exp.memory import (
     GiB,
     MemoryEstimate,
@@ -167,6 +168,46 @@ def test_checkpointing_reduces_activations():
     assert ckpt.logits_and_loss == full.logits_and_loss
 
 
+def test_fused_and_chunked_loss_hold_one_chunk_of_logits():
+    # SMALL with 1000 tokens (micro-batch 8 x 125), bf16: hidden states H and their stored gradient (2 x 2 B x T x 128)
+    # and an fp32 per-token value (4 B x T) around the chunk.
+    around = 2 * 2 * 1000 * 128 + 4 * 1000
+    kw = dict(micro_batch_size=8, seq_len=125, compute_bytes=2)
+    # chunked: CHUNK_LOGIT_BYTES / (4 x 1000) tokens per chunk > 1000, so one chunk of all tokens: its bf16 logits,
+    # the fp32 copy and the logsumexp temporary (2 + 4 + 4 bytes per entry).
+    assert est(loss_impl="chunked", **kw).details["loss_bytes"] == around + 1000 * 1000 * 10
+    # liger: next_power_of_2(1000 / ceil(1000 / 128) = 125) = 128 tokens per chunk, bf16 logits overwritten in place.
+    assert est(loss_impl="liger", **kw).details["loss_bytes"] == around + 128 * 1000 * 2
+    assert memory.CHUNK_LOGIT_BYTES == loss.CHUNK_LOGIT_BYTES
+
+
+def test_fused_loss_removes_the_vocabulary_term_of_gemma_7b():
+    kw = dict(arch=GEMMA_7B, micro_batch_size=8, seq_len=2048, lora_targets=ALL, lora_r=16, gradient_checkpointing=True)
+    hf, chunked, liger = (est(loss_impl=impl, **kw) for impl in ("hf", "chunked", "liger"))
+    assert hf.logits_and_loss == 12 * 8 * 2048 * 256000  # ~47 GiB
+    assert chunked.logits_and_loss < GiB and liger.logits_and_loss < GiB
+    assert hf.total - chunked.total > 40 * GiB  # the peak moves to a layer's backward
+    with pytest.raises(ValueError, match="loss_impl"):
+        est(loss_impl="fused")
+
+
+def test_checkpoint_layers_interpolates_between_none_and_all():
+    kw = dict(arch=GEMMA_7B, micro_batch_size=4, seq_len=2048, lora_targets=ALL, lora_r=16, loss_impl="chunked")
+    none, full = est(gradient_checkpointing=False, **kw), est(gradient_checkpointing=True, **kw)
+    assert est(gradient_checkpointing=True, checkpoint_layers=0, **kw).total == none.total
+    assert est(gradient_checkpointing=True, checkpoint_layers=28, **kw).total == full.total
+    assert est(gradient_checkpointing=False, checkpoint_layers=5, **kw).total == none.total  # off means off
+    peaks = [est(gradient_checkpointing=True, checkpoint_layers=k, **kw).allocated for k in range(29)]
+    assert all(a > b for a, b in zip(peaks[:27], peaks[1:28], strict=True))
+    # Recomputing the last layer too saves nothing: its recompute is needed at once, and its input is kept besides.
+    assert peaks[28] - peaks[27] == 2 * 4 * 2048 * 3072
+    # Each recomputed layer trades what it saves for its bf16 input (T x hidden).
+    saved = sum(none.details["layer_saved_parts"]["global"].values())
+    one = est(gradient_checkpointing=True, checkpoint_layers=1, **kw)
+    assert none.details["checkpointed_layers"] == 0 and one.details["checkpointed_layers"] == 1
+    assert none.activations - one.activations == saved - 2 * 4 * 2048 * 3072
+
+
 def test_lora_dropout_adds_masks_and_copies():
     assert est(lora_dropout=0.05).activations > est(lora_dropout=0.0).activations
 
@@ -272,9 +313,13 @@ def test_gemma_7b_qlora_recipe_is_plausible():
         "hardware.micro_batch_size=8",
         "hardware.gradient_checkpointing=true",
     ]
-    e = estimate_for_config(compose_typed(overrides))
+    e = estimate_for_config(compose_typed([*overrides, "hardware.loss_impl=hf"]))
     assert 40 * GiB < e.total < 70 * GiB
     assert e.peak_phase == "loss" and e.logits_and_loss > e.total / 2  # the 256k-vocabulary loss dominates
+    # The default loss on a GPU (liger or chunked) never holds the logits: the peak is a layer's backward.
+    fast = estimate_for_config(compose_typed(overrides))
+    assert fast.details["loss_impl"] in ("liger", "chunked") and fast.peak_phase == "layer_backward"
+    assert fast.total < 20 * GiB
 
 
 def test_suggest_micro_batch_for_config():

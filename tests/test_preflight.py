@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -118,6 +119,70 @@ def test_memory_estimate_above_free_memory_suggests_a_micro_batch():
     assert keys(result) == ["memory"]
     msg = result.findings[0].message
     assert "GiB per GPU" in msg and "hardware.micro_batch_size=" in msg and "logits" in msg.lower()
+
+
+def _gemma_7b_on(micro_batch: int, *extra: str):
+    return compose_typed(
+        [
+            "model=gemma_7b",
+            "hardware=gpu",
+            f"hardware.micro_batch_size={micro_batch}",
+            f"trainer.global_batch_size={micro_batch}",
+            "data.max_seq_len=2048",
+            "lora=all_linear",
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize("micro_batch", [4, 8, 32])
+def test_auto_checkpoint_layers_recomputes_the_fewest_layers_that_fit(micro_batch):
+    from exp.memory import estimate_for_config
+    from exp.preflight import AUTO_CHECKPOINT_HEADROOM
+
+    result = check(_gemma_7b_on(micro_batch), Environment(gpus=[H200], **GPU_ENV))
+    assert result.ok, result.findings
+    hw = result.cfg.hardware
+    k = 0 if not hw.gradient_checkpointing else hw.checkpoint_layers or 28
+    budget = H200.free_bytes * (1 - AUTO_CHECKPOINT_HEADROOM)
+
+    def total(layers: int) -> int:
+        trial = copy.deepcopy(result.cfg)
+        trial.hardware.gradient_checkpointing, trial.hardware.checkpoint_layers = layers > 0, layers
+        return estimate_for_config(trial).total
+
+    assert total(k) <= budget and (k == 0 or total(k - 1) > budget)  # fits, and one layer fewer would not
+    assert any(f"{'none' if k == 0 else f'the first {k}'} of 28 decoder layers recompute" in n for n in result.notes)
+    if micro_batch == 4:
+        assert k == 0  # 8k tokens of Gemma-7B train without recomputation in 140 GiB
+
+
+def test_auto_checkpoint_layers_keeps_explicit_choices_and_the_cpu_alone():
+    env = Environment(gpus=[H200], **GPU_ENV)
+    explicit = check(_gemma_7b_on(8, "hardware.checkpoint_layers=28"), env).cfg.hardware
+    assert (explicit.gradient_checkpointing, explicit.checkpoint_layers) == (True, 28)
+    off = check(_gemma_7b_on(4, "hardware.gradient_checkpointing=false"), env).cfg.hardware
+    assert (off.gradient_checkpointing, off.checkpoint_layers) == (False, None)
+    cpu = check(
+        compose_typed(["hardware=cpu", "hardware.gradient_checkpointing=true", "hardware.auto_checkpoint_layers=true"]),
+        Environment(torch_cuda=None),
+    )
+    assert cpu.ok and (cpu.cfg.hardware.gradient_checkpointing, cpu.cfg.hardware.checkpoint_layers) == (True, None)
+
+
+def test_nothing_fits_leaves_full_checkpointing_and_explains():
+    small = Gpu("NVIDIA L4", 24 * 2**30, 22 * 2**30, (8, 9))
+    result = check(_gemma_7b_on(64, "hardware.loss_impl=hf"), Environment(gpus=[small], **GPU_ENV))
+    assert keys(result) == ["memory"] and result.cfg.hardware.checkpoint_layers is None
+    assert result.cfg.hardware.gradient_checkpointing
+
+
+def test_fast_loss_is_what_the_estimate_counts_on_a_gpu():
+    # 64 x 2048 tokens of Gemma-7B: transformers' loss needs ~12 bytes per token and vocabulary entry (~400 GiB),
+    # the chunked / fused loss a few hundred tokens' worth. The preflight estimates the loss that will run.
+    env = Environment(gpus=[H200], **GPU_ENV)
+    assert check(_gemma_7b_on(64), env).ok
+    assert keys(check(_gemma_7b_on(64, "hardware.loss_impl=hf"), env)) == ["memory"]
 
 
 def test_auto_without_gpu_picks_the_cpu():

@@ -166,6 +166,14 @@ class HardwareConfig:
     precision: str = "32-true"  # one of PRECISIONS
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing: how many decoder layers recompute their activations in the backward pass (the
+    # first N); null: all. Each layer not recomputed saves its share of the recompute (~1/3 of its forward+backward
+    # FLOPs) and keeps its activations instead.
+    checkpoint_layers: int | None = None
+    # GPU, with gradient_checkpointing=true and checkpoint_layers unset: the preflight recomputes only the fewest
+    # layers (possibly none) whose estimated peak (exp.memory) fits the GPU's free memory with
+    # AUTO_CHECKPOINT_HEADROOM to spare, and prints its choice. An explicit checkpoint_layers is kept.
+    auto_checkpoint_layers: bool = False
     num_workers: int = 0
     # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
     # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
@@ -332,6 +340,12 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+    layers = (m.arch or {}).get("num_hidden_layers")
+    if hw.checkpoint_layers is not None and not 0 <= hw.checkpoint_layers <= (layers or hw.checkpoint_layers):
+        p.append(
+            f"hardware.checkpoint_layers={hw.checkpoint_layers}: the number of decoder layers to recompute, from 0 to "
+            f"{layers or 'the number of layers'} (model {m.name}), or null for all"
+        )
     if hw.precision not in PRECISIONS:
         p.append(
             f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "

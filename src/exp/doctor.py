@@ -50,6 +50,7 @@ def report_environment(env) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from exp.config import ConfigError, QuantType
+    from exp.loss import planned_loss_impl
     from exp.memory import estimate_for_config
     from exp.preflight import PREFLIGHT_EXIT, check, probe_environment
     from exp.train import compose_config
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         f"model={cfg.model.name} quantization={cfg.quantization.quant_type.value} lora.r={cfg.lora.r} "
         f"hardware: accelerator={hw.accelerator.value} devices={hw.devices} strategy={hw.strategy.value} "
         f"precision={hw.precision} micro_batch_size={hw.micro_batch_size} "
-        f"gradient_checkpointing={hw.gradient_checkpointing} data.max_seq_len={cfg.data.max_seq_len}"
+        f"gradient_checkpointing={hw.gradient_checkpointing}"
+        f"{f' checkpoint_layers={hw.checkpoint_layers}' if hw.gradient_checkpointing and hw.checkpoint_layers is not None else ''}"
+        f" loss_impl={planned_loss_impl(result.cfg).value} data.max_seq_len={cfg.data.max_seq_len}"
     )
     for note in result.notes:
         print(f"note: {note}")

@@ -50,6 +50,12 @@ def oom_diagnosis(cfg: TrainConfig, device: torch.device, step: int) -> OutOfMem
         )
     if not hw.gradient_checkpointing:
         fixes.append("hardware.gradient_checkpointing=true (recompute activations in the backward pass)")
+    elif hw.checkpoint_layers is not None:
+        layers = cfg.model.arch.get("num_hidden_layers", "all")
+        fixes.append(
+            f"hardware.checkpoint_layers={layers} (only {hw.checkpoint_layers} decoder layers recompute now; an explicit "
+            "value is kept by the preflight)"
+        )
     fixes.append(f"a shorter data.max_seq_len (now {d.max_seq_len}; activations and logits grow with it)")
     if hw.strategy == Strategy.ddp:
         fixes.append("hardware=fsdp (shard the 4-bit weights instead of a full replica per GPU)")

@@ -83,6 +83,23 @@ def resolve_loss_impl(cfg: TrainConfig, model: nn.Module, device: torch.device) 
     return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted.value}: {missing}, so exp's chunked loss")
 
 
+def planned_loss_impl(cfg: TrainConfig) -> LossImpl:
+    """What `resolve_loss_impl` will choose, from the resolved config alone (no model, no CUDA call), so the memory
+    estimate can count the loss that will run. Where only the model can tell (a head that is not a plain Linear),
+    the config's own markers of a trained head stand in for it."""
+    import importlib.util
+
+    hw, lora = cfg.hardware, cfg.lora
+    trained_head = "lm_head" in lora.target_modules or "lm_head" in lora.modules_to_save
+    if hw.loss_impl == LossImpl.hf or hw.strategy == Strategy.fsdp or trained_head:
+        return LossImpl.hf
+    if hw.loss_impl == LossImpl.chunked:
+        return LossImpl.chunked
+    if hw.accelerator.value == "cpu":
+        return LossImpl.chunked if hw.loss_impl == LossImpl.liger else LossImpl.hf
+    return LossImpl.liger if importlib.util.find_spec("liger_kernel") is not None else LossImpl.chunked
+
+
 def _causal_lm(model: nn.Module) -> nn.Module:
     """The transformers *ForCausalLM under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -3,7 +3,9 @@
 Nothing here touches CUDA (it runs before any device is initialised, e.g. to pick a micro-batch or to refuse a
 configuration that cannot fit). The model of a step is the code path `exp` runs: transformers' Gemma loaded through
 bitsandbytes (frozen base), PEFT LoRA adapters, bf16 autocast (Lightning's "bf16-mixed") or plain fp32 ("32-true"),
-SDPA or eager attention, transformers' `ForCausalLMLoss`, torch AdamW on the adapters.
+SDPA or eager attention, transformers' `ForCausalLMLoss` or exp.loss's chunked / liger's fused linear cross-entropy
+(`loss_impl`), non-reentrant checkpointing of all, some (`checkpoint_layers`) or no decoder layers, torch AdamW on
+the adapters.
 
 Where the bytes go
 ------------------
@@ -25,7 +27,8 @@ The peak is the larger of two moments:
      inputs) and the loss backward holds three fp32 vocabulary-sized tensors;
   B. the backward of the last decoder layer (with checkpointing: its recompute), after the logits are gone: the
      saved activations + one fully recomputed layer + the gradient temporaries of its MLP + one dequantized weight.
-For Gemma A wins by far (12 bytes x tokens x 256k); B only matters for small vocabularies (the tiny test model).
+With transformers' loss A wins by far for Gemma (12 bytes x tokens x 256k); with the chunked / fused loss, which
+holds one chunk of logits, B is usually the peak.
 
 `MemoryEstimate.total` predicts what the device must hold (allocator peak + `workspace`); `allocated` predicts what
 `torch.cuda.max_memory_allocated` reports (everything but `workspace`).
@@ -320,6 +323,38 @@ def _logits_peak_bytes(tokens: int, vocab: int, c: int, final_softcap: bool) -> 
     return per * tokens * vocab
 
 
+# exp.loss.CHUNK_LOGIT_BYTES (kept equal by a test; importing exp.loss here would import torch).
+CHUNK_LOGIT_BYTES = 256 * 2**20
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _fused_loss_peak_bytes(impl: str, tokens: int, vocab: int, hidden: int, c: int, final_softcap: bool) -> int:
+    """Peak bytes of a loss that never holds the [tokens, vocab] logits (`hardware.loss_impl` chunked / liger).
+
+    Both compute the loss and the gradient of the hidden states in the forward pass, one chunk of tokens at a time,
+    so the peak is in that forward pass: the final hidden states H (T x hidden, c bytes: the decoder's output,
+    freed when the loss returns), the stored gradient dH (T x hidden, c bytes, kept until the backward scales
+    it), and one chunk's vocabulary-sized temporaries.
+      chunked (exp.loss): a chunk of CHUNK_LOGIT_BYTES / (4 V) tokens; its logits (c), their fp32 copy z and the
+        logsumexp's exp(z - max) temporary (4 + 4; when c = 4 the copy is the logits themselves), with a softcap
+        the tanh kept for the gradient (4). The gradient is written over z in place; its cast to c is smaller than
+        the freed temporaries.
+      liger (liger_kernel.ops.fused_linear_cross_entropy): chunks of next_power_of_2(T / ceil(V / hidden))
+        tokens (about T x hidden elements); the kernel writes the gradient over the chunk's logits (c) in place;
+        plus an fp32 per-token loss.
+    """
+    around = 2 * c * tokens * hidden + 4 * tokens
+    if impl == "liger":
+        chunk = min(tokens, _next_power_of_2(_ceil_div(tokens, _ceil_div(vocab, hidden))))
+        return around + chunk * vocab * c
+    chunk = min(tokens, max(1, CHUNK_LOGIT_BYTES // (4 * vocab)))
+    per = (4 + 4 if c == 4 else c + 4 + 4) + (4 if final_softcap else 0)
+    return around + chunk * vocab * per
+
+
 def estimate_memory(
     arch: Mapping[str, Any],
     *,
@@ -330,6 +365,8 @@ def estimate_memory(
     micro_batch_size: int,
     seq_len: int,
     gradient_checkpointing: bool,
+    checkpoint_layers: int | None = None,
+    loss_impl: str = "hf",
     compute_bytes: int = 2,
     num_shards: int = 1,
     optimizer: str = "adamw",
@@ -347,6 +384,8 @@ def estimate_memory(
         that dtype). 4: "32-true", or no autocast over fp32 non-quantized weights, which is what a plain loop after
         `peft.prepare_model_for_kbit_training` runs (it upcasts the embedding and the norms to fp32; bitsandbytes
         then casts its output back to fp32).
+    checkpoint_layers: with gradient_checkpointing, how many decoder layers (the first N) recompute; None: all.
+    loss_impl: "hf" (transformers' loss over the full logits), "chunked" or "liger" (exp.loss: no full logits).
     num_shards: FSDP shard count; weights and trainable state are divided, activations and logits are per device.
     optimizer: "adamw" / "paged_adamw_32bit" (8 bytes of state per parameter; paging only moves it under pressure,
         and bitsandbytes' paged buffers live outside PyTorch's allocator, so `max_memory_allocated` misses them) or
@@ -368,6 +407,10 @@ def estimate_memory(
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
     if family not in ("gemma", "gemma2", "gemma3"):
         raise ValueError(f"family={family!r}: gemma, gemma2 or gemma3")
+    if loss_impl not in ("hf", "chunked", "liger"):
+        raise ValueError(f"loss_impl={loss_impl!r}: hf, chunked or liger")
+    if checkpoint_layers is not None and checkpoint_layers < 0:
+        raise ValueError(f"checkpoint_layers={checkpoint_layers}: must be >= 0 (or None for all layers)")
     if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
         raise ValueError(f"attn_implementation={attn_implementation!r}: sdpa, eager or flash_attention_2")
     c = compute_bytes
@@ -417,11 +460,11 @@ def estimate_memory(
         "global": (n_global, padding_mask),
         "sliding": (s.layers - n_global, padding_mask or (bool(window) and seq_len > int(window))),
     }
-    saved_layers, saved_max, per_kind = 0, 0, {}
+    per_kind: dict[str, dict[str, int]] = {}
     for kind, (count, masked) in kinds.items():
         if not count:
             continue
-        parts = _layer_saved_bytes(
+        per_kind[kind] = _layer_saved_bytes(
             s,
             batch=micro_batch_size,
             seq=seq_len,
@@ -434,17 +477,25 @@ def estimate_memory(
             repeat_kv=s.kv_heads < s.heads and (eager or masked),
             attn_softcap=attn_softcap,
         )
-        per_kind[kind] = parts
-        saved_layers += count * sum(parts.values())
-        saved_max = max(saved_max, sum(parts.values()))
+    # Layer i's kind, as transformers assigns them: Gemma 2 slides on even layers, Gemma 3 is global on every sixth.
+    pattern = SLIDING_PATTERN[family] if window else None
+    layer_saved = [
+        sum(per_kind["global" if pattern is None or (i + 1) % pattern == 0 else "sliding"].values())
+        for i in range(s.layers)
+    ]
     # Masks transformers materialises (bool for SDPA, compute dtype for eager), one per attention kind in use.
     n_masks = sum(1 for n, m in kinds.values() if n and (m or eager))
     masks = n_masks * micro_batch_size * seq_len * seq_len * (c if eager else 1)
     # Final norm (not checkpointed): its fp32 input copy. Its output feeds the frozen head, which saves no input.
     final = 4 * t * s.hidden
-    # Non-reentrant checkpointing keeps each layer's input (an argument of its recompute) and nothing else.
-    ckpt_inputs = s.layers * c * t * s.hidden
-    saved_all = ckpt_inputs if gradient_checkpointing else saved_layers
+    # Non-reentrant checkpointing keeps each checkpointed layer's input (an argument of its recompute) and nothing
+    # else; the first `n_ckpt` layers are checkpointed (exp.model), the others keep what they save.
+    n_ckpt = (
+        (s.layers if checkpoint_layers is None else min(checkpoint_layers, s.layers)) if gradient_checkpointing else 0
+    )
+    ckpt_inputs = n_ckpt * c * t * s.hidden
+    saved_all = ckpt_inputs + sum(layer_saved[n_ckpt:])
+    recompute = max(layer_saved[:n_ckpt], default=0)
 
     # Phase B's extra: the gradient temporaries of one layer's backward, widest in the MLP: the down-projection
     # input gradient and the two product-rule gradients of `act * up` (3 x T x intermediate), two T x hidden
@@ -452,9 +503,14 @@ def estimate_memory(
     largest_weight = max(i * o for i, o in lin.values()) * c if quant_type != "none" else 0
     bwd_temp = 3 * c * t * s.inter + 2 * c * t * s.hidden + largest_weight
 
-    logits = _logits_peak_bytes(t, s.vocab, c, final_softcap)
+    if loss_impl == "hf":
+        logits = _logits_peak_bytes(t, s.vocab, c, final_softcap)
+    else:
+        logits = _fused_loss_peak_bytes(loss_impl, t, s.vocab, s.hidden, c, final_softcap)
     phase_loss = saved_all + final + masks + logits
-    phase_layer = saved_all + masks + bwd_temp + (saved_max if gradient_checkpointing else 0)
+    # The backward walks the layers from the last: at the last layer everything saved is alive; at the last
+    # checkpointed layer the later layers' activations are freed and its recompute is alive instead.
+    phase_layer = masks + bwd_temp + max(saved_all, ckpt_inputs + recompute if n_ckpt else 0)
     if phase_loss >= phase_layer:
         est.peak_phase = "loss"
         est.activations = phase_loss - logits
@@ -469,7 +525,10 @@ def estimate_memory(
         "tokens": t,
         "trainable_params": n_train,
         "layer_saved_parts": per_kind,
-        "layers_saved_bytes": saved_layers,
+        "layers_saved_bytes": sum(layer_saved),
+        "checkpointed_layers": n_ckpt,
+        "loss_impl": loss_impl,
+        "loss_bytes": logits,
         "checkpoint_inputs_bytes": ckpt_inputs,
         "final_norm_bytes": final,
         "mask_bytes": masks,
@@ -485,6 +544,8 @@ def estimate_memory(
 
 def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
     """estimate_memory's arguments for a typed `TrainConfig` (everything but the architecture)."""
+    from exp.loss import planned_loss_impl  # torch, but no CUDA call
+
     hw = cfg.hardware
     # "auto" (resolved by the preflight) becomes bf16-mixed on a GPU and 32-true on the CPU.
     fp32 = hw.precision == "32-true" or (hw.precision == "auto" and _value(hw.accelerator) == "cpu")
@@ -498,6 +559,8 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         micro_batch_size=int(cfg.hardware.micro_batch_size),
         seq_len=int(cfg.data.max_seq_len),
         gradient_checkpointing=bool(cfg.hardware.gradient_checkpointing),
+        checkpoint_layers=cfg.hardware.checkpoint_layers,
+        loss_impl=planned_loss_impl(cfg).value,
         compute_bytes=4 if fp32 else 2,
         num_shards=num_shards,
         optimizer=_value(cfg.trainer.optimizer),
@@ -556,6 +619,19 @@ def largest_micro_batch(arch: Mapping[str, Any], budget_bytes: int, *, max_batch
     return lo
 
 
+def fewest_checkpoint_layers(cfg: Any, budget_bytes: int, num_shards: int = 1) -> int | None:
+    """Fewest decoder layers to recompute (0: no checkpointing) for this config's estimated `total` to fit
+    `budget_bytes` per device; None when even recomputing every layer does not fit. Each recomputed layer keeps
+    only its input, so the estimate falls as layers are added: the first count that fits is the fewest."""
+    kwargs = _config_kwargs(cfg, num_shards)
+    arch = config_arch(cfg)
+    for k in range(int(arch["num_hidden_layers"]) + 1):
+        kwargs.update(gradient_checkpointing=k > 0, checkpoint_layers=k)
+        if estimate_memory(arch, **kwargs).total <= budget_bytes:
+            return k
+    return None
+
+
 def suggest_micro_batch(cfg: Any, budget_bytes: int, num_shards: int = 1) -> int:
     """Largest `hardware.micro_batch_size` for this config whose estimate fits `budget_bytes` per device (0: none)."""
     kwargs = _config_kwargs(cfg, num_shards)
@@ -568,6 +644,7 @@ __all__ = [
     "config_arch",
     "estimate_for_config",
     "estimate_memory",
+    "fewest_checkpoint_layers",
     "largest_micro_batch",
     "lora_param_count",
     "suggest_micro_batch",

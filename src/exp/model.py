@@ -217,6 +217,23 @@ def build_lora_config(cfg: LoraConfig):
     )
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers transformers can checkpoint, in order (GradientCheckpointingLayer instances)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def limit_checkpointed_layers(model: nn.Module, count: int | None) -> None:
+    """Recompute only the first `count` decoder layers (None: all). transformers checks each layer's own
+    `gradient_checkpointing` flag at every forward, so clearing it on a layer makes that layer save its activations
+    as without checkpointing; exp.memory counts the same split."""
+    if count is None:
+        return
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.gradient_checkpointing = i < count
+
+
 def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Module:
     """The trainable model: base loaded on `device` + LoRA adapters, in train mode, checkpointing as configured."""
     from peft import get_peft_model
@@ -228,6 +245,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     if cfg.hardware.gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        limit_checkpointed_layers(model, cfg.hardware.checkpoint_layers)
     # The adapter initialisation has its own seed, so the same lora.init_seed gives the same adapters whatever
     # else consumed random numbers before (data generation, the random-weight build).
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -297,3 +315,5 @@ def quiet_third_party_logs() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
+    # QLoRAModule counts tokens in this hook and exp's data module has none: there is nothing to choose between.
+    warnings.filterwarnings("ignore", message=".*overridden `on_before_batch_transfer`.*LightningDataModule")

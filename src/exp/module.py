@@ -128,6 +128,7 @@ class QLoRAModule(L.LightningModule):
         self._val_sums: dict[str, torch.Tensor] = {}
         self._step_started: float | None = None
         self._step_tokens = 0
+        self._batch_tokens = 0  # real tokens of the next training batch, counted before its transfer
         self.step_tokens_per_s: list[float] = []
         # Resume state (saved in every checkpoint under "exp"): micro-batches this rank has trained on (the data
         # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
@@ -221,9 +222,16 @@ class QLoRAModule(L.LightningModule):
         self.batches_seen += 1
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        mask = batch.get("attention_mask")
-        # Packed rows carry no attention mask (and no padding): every position is a real token.
-        self._step_tokens += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        self._step_tokens += self._batch_tokens
+
+    def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        # The batch's real tokens are counted here, while it is still on the host: read back from a GPU, the sum
+        # would wait for every kernel queued before it (a host sync per micro-batch).
+        if self.trainer.training:
+            mask = batch.get("attention_mask")
+            # Packed rows carry no attention mask (and no padding): every position is a real token.
+            self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        return batch
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches:
