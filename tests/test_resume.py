@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exp.checkpoints import AtomicCheckpointIO
+from exp.checkpoints import AtomicCheckpointIO, candidates
 from exp.preemption import REQUEUE_EXIT
 
 # 60 steps, a checkpoint every 10: long enough to interrupt after step 20 and have most of the run left.
@@ -210,3 +210,22 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
     assert io.load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left behind
+
+
+def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):
+    # Lightning writes step-N.ckpt, then last.ckpt: a run killed in between has a last.ckpt one period behind.
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+
+    def write(name: str, step: int) -> Path:
+        torch.save({"global_step": step, "state_dict": {}, "exp": {}}, ckpts / name)
+        return ckpts / name
+
+    s10, s20, last = write("step-000010.ckpt", 10), write("step-000020.ckpt", 20), write("last.ckpt", 10)
+    assert candidates(tmp_path) == [s20, last, s10]
+    write("last.ckpt", 20)  # the same step: last.ckpt first
+    assert candidates(tmp_path) == [last, s20, s10]
+    write("last.ckpt", 23)  # a preemption checkpoint after the last periodic one
+    assert candidates(tmp_path) == [last, s20, s10]
+    last.write_bytes(b"garbage")  # unreadable: first, so that resuming reports it as damaged
+    assert candidates(tmp_path) == [last, s20, s10]

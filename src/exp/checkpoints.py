@@ -78,13 +78,32 @@ def checkpoint_step(path: Path) -> int:
 
 
 def candidates(run_dir: Path) -> list[Path]:
-    """A run's checkpoints, the one to resume from first: `last.ckpt`, then the periodic ones newest first."""
+    """A run's checkpoints, the one to resume from first: newest step first, `last.ckpt` before a periodic one of
+    the same step.
+
+    `last.ckpt` is usually the newest (a preemption writes only it), but Lightning writes it after the periodic
+    checkpoint of the same step: a run killed in between has a `step-N.ckpt` newer than its `last.ckpt`.
+    """
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if not ckpt_dir.is_dir():
         return []
     periodic = sorted(ckpt_dir.glob("step-*.ckpt"), key=checkpoint_step, reverse=True)
-    last = [ckpt_dir / LAST] if (ckpt_dir / LAST).is_file() else []
-    return last + periodic
+    last = ckpt_dir / LAST
+    if not last.is_file():
+        return periodic
+    step = _saved_step(last)
+    if step is None:  # unreadable: first, so that resuming names it as damaged
+        return [last, *periodic]
+    newer = [p for p in periodic if checkpoint_step(p) > step]
+    return [*newer, last, *periodic[len(newer) :]]
+
+
+def _saved_step(path: Path) -> int | None:
+    """The `global_step` a checkpoint holds, read without loading its tensors (memory-mapped); None if unreadable."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except Exception:
+        return None
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
