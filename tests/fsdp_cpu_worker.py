@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from exp.checkpoints import read_checkpoint
 from exp.config import Strategy
-from exp.launch import close_process_group
+from exp.launch import end_rank
 from exp.train import compose_config, train
 
 _AcceleratorConnector._check_strategy_and_fallback = lambda self: None  # "fsdp requires a GPU accelerator"
@@ -54,7 +54,4 @@ if __name__ == "__main__":
         ids = read_checkpoint(Path(sys.argv[3]))["exp"]["tracking_ids"]
         record = {"checkpoint": sys.argv[3], "run": "", "step": 3, "tracking_ids": ids}
         (out / "resume.json").write_text(json.dumps(record))
-    try:
-        train(cfg, out, manage_run_dir=False)
-    finally:
-        close_process_group()  # as exp's own workers do: gloo's threads must not meet interpreter shutdown
+    end_rank(lambda: train(cfg, out, manage_run_dir=False))  # as exp's own workers end (see end_rank)

@@ -10,13 +10,17 @@ themselves) nothing is launched: every process runs `exp.train` and joins.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from exp.config import Strategy, TrainConfig
 from exp.preemption import REQUEUE_EXIT, SIGNALS
@@ -146,6 +150,35 @@ def _main(argv: list[str]) -> None:
         raise
 
 
+def end_rank(main: Callable[[], object]) -> NoReturn:
+    """Run one rank's `main`, then end the process without interpreter shutdown, keeping its exit status.
+
+    Tearing the process group down (`close_process_group`) is not always enough: after an FSDP run, a gloo thread
+    still aborted a finished rank at interpreter exit, once in a full CI suite ("terminate called without an active
+    exception", status -6, which would also turn a preempted rank's 75 into a failure). Everything a rank writes is
+    written and closed by then (checkpoints, adapter, loggers finished); stdio and logging are flushed here, and
+    `os._exit` skips the C++ destructors that abort.
+    """
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        close_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     # `python -m exp.launch worker <run dir>`: one rank of a multi-process run; `job <run dir>`: one sweep job.
+    if sys.argv[1] == "worker":
+        end_rank(lambda: _main(sys.argv[1:]))
     _main(sys.argv[1:])
