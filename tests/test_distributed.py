@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 
 import torch
 from conftest import SHORT
 
 from exp.preemption import REQUEUE_EXIT
+from exp.run_dir import shared_launch_id
 from exp.train import run
 
 
@@ -68,3 +73,60 @@ def test_ddp_preempted_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
     assert summary["world_size"] == 2 and summary["resumed_from"]["step"] >= 10
     a, b = adapter(tmp_path / "whole"), adapter(tmp_path / "second")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same adapters as the uninterrupted 2-process run
+
+
+TORCHRUN_ARGS = [
+    "hardware=ddp",
+    "hardware.accelerator=cpu",
+    "hardware.devices=2",
+    "trainer.global_batch_size=16",
+    "trainer.max_steps=2",
+    "trainer.warmup_steps=0",
+    "trainer.val_every_n_steps=2",
+    "trainer.checkpoint_every_n_steps=2",
+    "trainer.sample_count=0",
+    "logger=csv",
+]
+
+
+def torchrun(cwd, *args: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 <launcher flags> -m exp.train <TORCHRUN_ARGS> <overrides>`: flags before `--`."""
+    flags, overrides = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, ())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *flags, "-m", "exp.train"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [*cmd, *TORCHRUN_ARGS, *overrides], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_torchrun_ranks_share_one_run_dir_and_never_take_over_an_earlier_one(tmp_path):
+    # Each rank composes its own config: a time-stamped run dir differed between ranks a second apart (two run
+    # dirs, one of them a stray copy). The launch's id names the one they share.
+    first = torchrun(tmp_path, "--standalone")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert run_dir.name.startswith("torchrun-") and (status["status"], status["launch"]) == ("completed", run_dir.name)
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    # A new launch pointed at that run dir is refused by every rank before Hydra writes anything.
+    refused = torchrun(tmp_path, "--standalone", "--", f"hydra.run.dir={run_dir}")
+    assert refused.returncode != 0 and "already holds a run (completed" in refused.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # torchrun without --standalone or --rdzv-id gives its processes nothing to agree on: a clear error.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bare = torchrun(tmp_path, f"--master_port={port}")
+    assert bare.returncode != 0 and "--standalone (one machine) or --rdzv-id" in bare.stderr
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == [run_dir.name]
+
+
+def test_shared_launch_id_from_the_launchers_environment():
+    assert shared_launch_id({}) is None and shared_launch_id({"WORLD_SIZE": "1"}) is None
+    assert shared_launch_id({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "0faad671-aa18"}) == "torchrun-0faad671"
+    elastic = {"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert shared_launch_id(elastic) == "torchrun-job7-restart1"
+    assert shared_launch_id({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}) == ""
+    slurm = {"SLURM_NTASKS": "4", "SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "2"}
+    assert shared_launch_id(slurm) == "slurm-123.0-restart2"

@@ -109,12 +109,17 @@ def unknown_keys(config: dict[str, Any], schema: type = TrainConfig, path: str =
 # --- the whole command line, composed as Hydra will compose it --------------------------------------------------
 
 
-def check_command_line(argv: list[str], caller: str, config_path: str, config_name: str) -> tuple[list[str], list[str]]:
+def check_command_line(
+    argv: list[str], caller: str, config_path: str, config_name: str, launch: str | None = None
+) -> tuple[list[str], list[str]]:
     """Problems with `python -m exp.train <argv>` (empty: none), and the arguments to hand Hydra.
 
     `caller`, `config_path`, `config_name`: those of the `@hydra.main` function. Nothing is instantiated, written or
     run. A run directory that already holds a run (a `status.json`) is not written into: the arguments returned
     point Hydra at the next free `<dir>_N`, as `exp.run_dir.claim_run_dir` does for the run itself.
+    `launch`: this process is one rank of a torchrun / SLURM launch with that id (`exp.launch.shared_launch_id`):
+    its ranks share the run directory, so none moves to `<dir>_N`; a directory holding another launch's run is
+    refused instead.
     """
     # Hydra's own parser (not a public API; hydra-core is pinned to 1.3): the flags exactly as Hydra will read them.
     from hydra._internal.utils import get_args_parser
@@ -159,6 +164,18 @@ def check_command_line(argv: list[str], caller: str, config_path: str, config_na
     problems = list(dict.fromkeys(problems))  # each sweep choice repeats the problems of the others
     if problems or mode == RunMode.MULTIRUN or run_dir is None or not (run_dir / STATUS_FILE).exists():
         return problems, argv
+    if launch is not None:
+        from exp.run_dir import read_status
+
+        status = read_status(run_dir)
+        if status.get("launch") != launch:
+            return [
+                f"hydra.run.dir={run_dir} already holds a run ({status.get('status', 'unknown status')}, launch "
+                f"{status.get('launch', 'of a single process')}), and the ranks of this launch ({launch}) cannot move "
+                "to a new directory together. Pass a new hydra.run.dir, the same for every rank, or continue that "
+                f"run with trainer.resume={run_dir} and a new hydra.run.dir."
+            ], argv
+        return [], argv  # another rank of this launch got there first
     free = next_free_run_dir(run_dir)
     print(f"exp: {run_dir} already holds a run; this one goes to {free}", file=sys.stderr)
     keep = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "hydra.run.dir"]

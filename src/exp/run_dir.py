@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
+# Set by `exp.train` in each rank of a torchrun / SLURM launch: the launch's id (`exp.launch.shared_launch_id`),
+# recorded in status.json so that the ranks share one run directory and never take over an earlier launch's.
+LAUNCH_ID_ENV = "EXP_LAUNCH_ID"
 
 
 def write_json(path: Path, data: Any) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: the ranks of a launch share a run dir
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, path)
 
@@ -22,6 +25,8 @@ def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
     record: dict[str, Any] = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if error:
         record["error"] = error
+    if launch := os.environ.get(LAUNCH_ID_ENV):
+        record["launch"] = launch
     write_json(run_dir / STATUS_FILE, record)
 
 
@@ -52,3 +57,24 @@ def claim_run_dir(path: Path) -> Path:
 def new_run_dir(root: Path) -> Path:
     """A fresh `root/<date>/<time>` directory, as Hydra names them."""
     return claim_run_dir(root / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
+
+
+def shared_launch_id(env: dict[str, str] | None = None) -> str | None:
+    """For one rank of several started by torchrun or SLURM: an id that every rank of this launch computes alike
+    ("" when the launcher gives none); None for a single process (exp's own workers never get here).
+
+    The ranks compose their configs independently, and a time-stamped run directory differs between ranks that
+    start a second apart: the run directory must come from something they share.
+    """
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return None
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:  # torchrun: --standalone draws a uuid, --rdzv-id names it; the default is "none"
+        restart = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        return "" if run_id == "none" else f"torchrun-{run_id[:8]}" + (f"-restart{restart}" if restart else "")
+    if job := env.get("SLURM_JOB_ID"):
+        step, restart = env.get("SLURM_STEP_ID"), int(env.get("SLURM_RESTART_COUNT") or 0)
+        return f"slurm-{job}" + (f".{step}" if step else "") + (f"-restart{restart}" if restart else "")
+    return ""

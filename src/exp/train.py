@@ -10,6 +10,7 @@ import functools
 import glob
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from exp.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.overrides import check_cli_overrides, check_command_line
-from exp.run_dir import claim_run_dir, new_run_dir, write_json, write_status
+from exp.run_dir import LAUNCH_ID_ENV, claim_run_dir, new_run_dir, shared_launch_id, write_json, write_status
 
 log = logging.getLogger("exp.train")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -269,7 +270,9 @@ def main(dcfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
-    output_dir = claim_run_dir(Path(hydra_cfg.runtime.output_dir))
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    # The ranks of a torchrun / SLURM launch share their run directory (checked by `cli`); one process claims its own.
+    output_dir = output_dir if os.environ.get(LAUNCH_ID_ENV) else claim_run_dir(output_dir)
     launch_dir = Path(hydra.utils.get_original_cwd())
     try:
         cfg = to_typed(dcfg, launch_dir)
@@ -368,11 +371,30 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
 
 
 def cli() -> None:
+    argv = sys.argv[1:]
+    launch = shared_launch_id() if not {"-m", "--multirun"} & set(argv) else None
+    if launch is not None:
+        # One rank of a torchrun / SLURM launch: every rank must write into one run directory.
+        if not launch:
+            print(
+                "exp: error: this is one of several processes started by torchrun, which gives them no shared "
+                "launch id (TORCHELASTIC_RUN_ID=none), so they cannot agree on a run directory. Start torchrun with "
+                "--standalone (one machine) or --rdzv-id=<id> (several machines), or run under SLURM (srun).",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+        os.environ[LAUNCH_ID_ENV] = launch
+        if not any(a.lstrip("+").split("=", 1)[0] == "hydra.run.dir" for a in argv):
+            argv = [*argv, f"hydra.run.dir=outputs/{launch}"]
     # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
-    problems, sys.argv[1:] = check_command_line(sys.argv[1:], __file__, str(CONF_DIR), "train")
+    problems, sys.argv[1:] = check_command_line(argv, __file__, str(CONF_DIR), "train", launch)
     if problems:
         print("exp: error: " + "\n".join(problems), file=sys.stderr)
         sys.exit(2)
+    if launch:
+        from exp.launch import end_rank
+
+        end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
     main()
 
 
