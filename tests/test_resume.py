@@ -229,3 +229,16 @@ def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):
     assert candidates(tmp_path) == [last, s20, s10]
     last.write_bytes(b"garbage")  # unreadable: first, so that resuming reports it as damaged
     assert candidates(tmp_path) == [last, s20, s10]
+
+
+def test_checkpointing_choices_may_differ_on_resume_but_the_math_may_not():
+    # The preflight picks the recomputed layers from the free memory of the GPU a continuation lands on: that must
+    # not hide the run from trainer.resume=auto (the gradients do not depend on it, tests/test_training.py).
+    from exp.resume import config_differences
+
+    recorded = {"hardware": {"gradient_checkpointing": True, "checkpoint_layers": 7, "micro_batch_size": 8}}
+    moved = {"hardware": {"gradient_checkpointing": False, "checkpoint_layers": None, "micro_batch_size": 8}}
+    assert config_differences(recorded, moved) == []
+    assert config_differences(recorded, {"hardware": {**moved["hardware"], "micro_batch_size": 4}}) == [
+        "hardware.micro_batch_size: 8 -> 4"
+    ]

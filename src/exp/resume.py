@@ -36,6 +36,11 @@ MAY_DIFFER = (
     "trainer.sample_count",
     "trainer.sample_max_new_tokens",
     "hardware.num_workers",
+    # Which layers recompute changes memory and speed, not the result (the gradients are bitwise the same, tested),
+    # and the preflight's choice follows the free memory of the GPU the continuation lands on.
+    "hardware.gradient_checkpointing",
+    "hardware.checkpoint_layers",
+    "hardware.auto_checkpoint_layers",
     "logger",
 )
 
