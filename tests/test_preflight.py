@@ -170,6 +170,14 @@ def test_auto_checkpoint_layers_keeps_explicit_choices_and_the_cpu_alone():
     assert cpu.ok and (cpu.cfg.hardware.gradient_checkpointing, cpu.cfg.hardware.checkpoint_layers) == (True, None)
 
 
+def test_auto_checkpoint_layers_is_not_decided_per_rank_under_torchrun(monkeypatch):
+    monkeypatch.setenv("EXP_LAUNCH_ID", "torchrun-0faad671")
+    result = check(_gemma_7b_on(4), Environment(gpus=[H200], **GPU_ENV))
+    hw = result.cfg.hardware
+    assert result.ok and (hw.gradient_checkpointing, hw.checkpoint_layers) == (True, None)
+    assert any("not applied in a torchrun / SLURM rank" in n for n in result.notes)
+
+
 def test_nothing_fits_leaves_full_checkpointing_and_explains():
     small = Gpu("NVIDIA L4", 24 * 2**30, 22 * 2**30, (8, 9))
     result = check(_gemma_7b_on(64, "hardware.loss_impl=hf"), Environment(gpus=[small], **GPU_ENV))

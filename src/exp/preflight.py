@@ -27,6 +27,7 @@ from exp.config import (
     batch_problems,
     config_problems,
 )
+from exp.run_dir import LAUNCH_ID_ENV
 
 # Exit status of a run stopped by the preflight (2 is a configuration error, 1 a crash).
 PREFLIGHT_EXIT = 3
@@ -373,7 +374,15 @@ def _resolve_strategy_and_precision(
     if hw.strategy == Strategy.model_parallel:
         free = sum(g.free_bytes for g in used)  # spread over all of them (activations aside)
     if hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None:
-        _fit_checkpointing(cfg, int(free * (1 - AUTO_CHECKPOINT_HEADROOM)), shards, notes)
+        if os.environ.get(LAUNCH_ID_ENV):
+            # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as
+            # the other ranks start: the ranks could choose differently. exp's own launcher decides once for all.
+            notes.append(
+                "hardware.auto_checkpoint_layers: not applied in a torchrun / SLURM rank (the ranks would each choose "
+                "from the memory they see); every layer recomputes. Choose with hardware.checkpoint_layers=N."
+            )
+        else:
+            _fit_checkpointing(cfg, int(free * (1 - AUTO_CHECKPOINT_HEADROOM)), shards, notes)
     estimate = estimate_for_config(cfg, num_shards=shards)
     if estimate.total > free:
         from exp.memory import suggest_micro_batch
