@@ -137,10 +137,7 @@ def _main(argv: list[str]) -> None:
         if role == "job":
             execute(cfg, run_dir, Path.cwd())
         else:
-            try:
-                train(cfg, run_dir, manage_run_dir=False)
-            finally:
-                close_process_group()
+            train(cfg, run_dir, manage_run_dir=False)  # run under end_rank, which tears the process group down
     except BaseException as e:
         if role == "job" and isinstance(e, ConfigError):
             from exp.run_dir import write_status

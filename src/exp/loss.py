@@ -27,12 +27,9 @@ from torch import nn
 
 from exp.config import LossImpl, Strategy, TrainConfig
 from exp.data import IGNORE_INDEX
+from exp.memory import CHUNK_LOGIT_BYTES
 
 log = logging.getLogger(__name__)
-
-# fp32 logits per chunk: ~256 MiB (262 tokens of a 256k vocabulary). The chunk's matmul is then large enough to run
-# at full speed on a GPU, and its few fp32 [chunk, vocab] temporaries stay well under a GiB.
-CHUNK_LOGIT_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,9 @@ def _logits_peak_bytes(tokens: int, vocab: int, c: int, final_softcap: bool) -> 
     return per * tokens * vocab
 
 
-# exp.loss.CHUNK_LOGIT_BYTES (kept equal by a test; importing exp.loss here would import torch).
+# Tokens per chunk of exp.loss's chunked loss: those whose fp32 logits take ~256 MiB (262 tokens of a 256k
+# vocabulary). The chunk's matmul is then large enough to run at full speed on a GPU, and its few fp32
+# [chunk, vocab] temporaries stay well under a GiB. Defined here (no torch import) and used by exp.loss.
 CHUNK_LOGIT_BYTES = 256 * 2**20
 
 

@@ -271,8 +271,7 @@ def compile_decoder_layers(model: nn.Module) -> None:
     Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all,
     and gradient checkpointing (applied around each layer's call) stays outside the compiled region.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for layer in base.model.layers:
+    for layer in decoder_layers(model):
         layer.compile()
 
 

@@ -117,7 +117,7 @@ def check_command_line(
     `caller`, `config_path`, `config_name`: those of the `@hydra.main` function. Nothing is instantiated, written or
     run. A run directory that already holds a run (a `status.json`) is not written into: the arguments returned
     point Hydra at the next free `<dir>_N`, as `exp.run_dir.claim_run_dir` does for the run itself.
-    `launch`: this process is one rank of a torchrun / SLURM launch with that id (`exp.launch.shared_launch_id`):
+    `launch`: this process is one rank of a torchrun / SLURM launch with that id (`exp.run_dir.shared_launch_id`):
     its ranks share the run directory, so none moves to `<dir>_N`; a directory holding another launch's run is
     refused instead.
     """

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
-# Set by `exp.train` in each rank of a torchrun / SLURM launch: the launch's id (`exp.launch.shared_launch_id`),
+# Set by `exp.train` in each rank of a torchrun / SLURM launch: the launch's id (`shared_launch_id`),
 # recorded in status.json so that the ranks share one run directory and never take over an earlier launch's.
 LAUNCH_ID_ENV = "EXP_LAUNCH_ID"
 
