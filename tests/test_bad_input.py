@@ -85,9 +85,9 @@ CASES = [
         "on the CPU use single_device or ddp",
     ),
     (
-        "mixed-precision-on-cpu",
-        ["hardware.precision=bf16-mixed"],
-        "hardware.precision=bf16-mixed on the CPU",
+        "fp16-on-cpu",
+        ["hardware.precision=16-mixed"],
+        "hardware.precision=16-mixed on the CPU",
         "use hardware.precision=32-true",
     ),
     ("paged-optimizer-on-cpu", ["trainer.optimizer=paged_adamw_8bit"], "trainer.optimizer=", "trainer.optimizer=adamw"),

@@ -197,10 +197,13 @@ def test_loss_impl_is_resolved_per_device_with_fallbacks():
         compose_typed(["hardware.loss_impl=liger"])
 
 
-def test_fused_adamw_only_on_cuda_parameters():
+def test_fused_adamw_where_torch_has_the_kernel():
     cfg = compose_typed(["logger=none"])
     params = [torch.nn.Parameter(torch.zeros(3))]
-    assert not build_optimizer(cfg.trainer, params, fused=True).defaults.get("fused")
+    assert build_optimizer(cfg.trainer, params, fused=True).defaults.get("fused")  # torch's fused CPU kernel
+    assert not build_optimizer(cfg.trainer, params, fused=False).defaults.get("fused")
+    meta = [torch.nn.Parameter(torch.zeros(3, device="meta"))]  # a device type without a fused kernel
+    assert not build_optimizer(cfg.trainer, meta, fused=True).defaults.get("fused")
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ Below `exp.train.main`, code receives these dataclasses (via `OmegaConf.to_objec
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -52,6 +53,8 @@ class Strategy(str, Enum):
 # dashes). Only modes that leave the 4-bit weights alone: a "*-true" low precision would cast the quantized modules.
 # "auto": bf16-mixed on GPUs that support it (compute capability >= 8.0), 32-true on the CPU (preflight decides).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
+# hardware.compile: a bool, or "auto" (the preflight decides).
+COMPILE_CHOICES = (True, False, "auto")
 
 
 class Schedule(str, Enum):
@@ -178,11 +181,18 @@ class HardwareConfig:
     # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
     # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
     loss_impl: LossImpl = LossImpl.auto
-    # CUDA: torch.optim.AdamW(fused=True), one kernel over all adapter tensors (no effect on the CPU or with the
-    # paged bitsandbytes optimisers).
+    # torch.optim.AdamW(fused=True): one kernel over all adapter tensors, on CUDA or the CPU (no effect with the
+    # paged bitsandbytes optimisers). Clipping and fp16 loss scaling work with it (exp.precision).
     fused_adamw: bool = True
     # torch.compile each decoder layer in place (state-dict keys unchanged); the first steps pay the compile time.
-    compile: bool = False
+    # true | false | auto (resolved by the preflight: on for a CUDA GPU, off on the CPU). On a GPU the preflight
+    # turns it off (and says so) where Triton is missing or the GPU is older than Volta; a graph that fails to
+    # compile runs eagerly (torch._dynamo's fallback, logged). Typed Any: OmegaConf has no bool-or-"auto" type.
+    compile: Any = False
+    # GPU memory this run may plan for, per device, in GiB (null: the free memory the preflight sees, less
+    # AUTO_CHECKPOINT_HEADROOM). Caps the choices made by memory (auto_checkpoint_layers) and the memory check:
+    # for sharing a GPU, or for matching another program's footprint.
+    memory_budget_gib: float | None = None
 
 
 @dataclass
@@ -340,6 +350,13 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+    if hw.compile not in COMPILE_CHOICES:
+        p.append(f"hardware.compile={hw.compile}: allowed values are true, false and auto (on for a CUDA GPU)")
+    if hw.memory_budget_gib is not None and not (hw.memory_budget_gib > 0 and math.isfinite(hw.memory_budget_gib)):
+        p.append(
+            f"hardware.memory_budget_gib={hw.memory_budget_gib}: GiB of GPU memory per device, a positive number "
+            "(e.g. hardware.memory_budget_gib=40), or null for the free memory"
+        )
     layers = (m.arch or {}).get("num_hidden_layers")
     if hw.checkpoint_layers is not None and not 0 <= hw.checkpoint_layers <= (layers or hw.checkpoint_layers):
         p.append(
@@ -351,10 +368,10 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "
             "precision would cast the 4-bit weights; use the '-mixed' form, e.g. hardware.precision=bf16-mixed)"
         )
-    elif hw.accelerator == Accelerator.cpu and hw.precision not in ("32-true", "auto"):
+    elif hw.accelerator == Accelerator.cpu and hw.precision == "16-mixed":
         p.append(
-            f"hardware.precision={hw.precision} on the CPU: mixed precision on CPU is slow and not supported "
-            "by the 4-bit CPU kernels here; use hardware.precision=32-true (the cpu default)"
+            "hardware.precision=16-mixed on the CPU: fp16 with a loss scaler is the fallback for GPUs without bf16, "
+            "and Gemma overflows in fp16; use hardware.precision=32-true (the cpu default) or bf16-mixed"
         )
     if hw.accelerator == Accelerator.cpu and hw.loss_impl == LossImpl.liger:
         p.append(
@@ -467,6 +484,7 @@ __all__ = [
     "ModelConfig",
     "ModelFamily",
     "Optimizer",
+    "COMPILE_CHOICES",
     "PRECISIONS",
     "QuantType",
     "QuantizationConfig",

@@ -247,8 +247,11 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         limit_checkpointed_layers(model, cfg.hardware.checkpoint_layers)
     # The adapter initialisation has its own seed, so the same lora.init_seed gives the same adapters whatever
-    # else consumed random numbers before (data generation, the random-weight build).
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    # else consumed random numbers before (data generation, the random-weight build). The adapters are drawn on
+    # the CPU and then moved next to their base layer (PEFT does), so they are the same on every device: Lightning
+    # calls configure_model with the strategy's device as torch's default device, where the draws would come from
+    # that device's generator instead.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(cfg.lora.init_seed)
         model = get_peft_model(model, build_lora_config(cfg.lora))
     if cfg.hardware.strategy == Strategy.fsdp:
@@ -258,7 +261,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(dtype)
-    if cfg.hardware.compile:
+    if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
         compile_decoder_layers(model)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()

@@ -22,6 +22,9 @@ from exp.model import build_model
 
 log = logging.getLogger("exp.module")
 
+# Device types torch's fused AdamW has kernels for (and exp tests: CUDA on the GPU machine, the CPU in CI).
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) -> float:
     """Multiplier of the peak learning rate at optimiser step `step`: linear warmup, then the schedule."""
@@ -63,10 +66,10 @@ def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, to
 
 
 def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
-    """`fused`: torch's fused AdamW kernel, taken only when every parameter is on a CUDA device."""
+    """`fused`: torch's fused AdamW kernel, taken when every parameter is on a device it has a kernel for."""
     kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     if t.optimizer == Optimizer.adamw:
-        if fused and params and all(p.device.type == "cuda" for p in params):
+        if fused and params and all(p.device.type in FUSED_ADAMW_DEVICES for p in params):
             kwargs["fused"] = True
         return torch.optim.AdamW(params, **kwargs)
     import bitsandbytes as bnb

@@ -306,6 +306,8 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     elif not on_gpu and hw.devices == -1:
         hw.devices = 1
 
+    # Before the memory decisions: compiled layers save less (exp.memory).
+    _resolve_compile(cfg, env, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
         _resolve_strategy_and_precision(cfg, env, findings, notes, memory_check)
     elif hw.strategy == Strategy.auto:
@@ -319,6 +321,30 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     findings += [Finding("hardware=auto", f"resolved for this machine, the config is invalid: {p}") for p in resolved]
     findings += [Finding("trainer.global_batch_size", p) for p in batch]
     return PreflightResult(cfg, findings, notes)
+
+
+def compile_problem(env: Environment) -> str | None:
+    """Why torch.compile cannot build GPU kernels here (None when it can): Inductor's GPU code is Triton, which
+    needs compute capability >= 7.0."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (Inductor generates Triton kernels for GPUs)"
+    old = [g for g in env.gpus if g.capability < (7, 0)]
+    if old:
+        return f"{old[0].name} has compute capability {old[0].capability[0]}.{old[0].capability[1]} (Triton needs 7.0)"
+    return None
+
+
+def _resolve_compile(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: list[str]) -> None:
+    """hardware.compile: "auto" is on for a CUDA GPU and off on the CPU; on a GPU that cannot compile, off + a note."""
+    hw = cfg.hardware
+    wanted = hw.compile
+    if wanted == "auto":
+        hw.compile = on_gpu
+    if hw.compile is True and on_gpu and env.gpus and (problem := compile_problem(env)):
+        hw.compile = False
+        notes.append(f"hardware.compile={wanted}: {problem}; the decoder layers run eagerly (slower, more memory)")
 
 
 def _strategy_name(cfg: TrainConfig) -> str:
@@ -358,6 +384,9 @@ def _resolve_strategy_and_precision(
     from exp.memory import estimate_for_config
 
     free = min(g.free_bytes for g in used)
+    budget = int(hw.memory_budget_gib * 2**30) if hw.memory_budget_gib is not None else None
+    if budget is not None:
+        free = min(free, budget)
     if hw.strategy == Strategy.auto:
         replica = estimate_for_config(cfg).total
         if hw.devices == 1:
@@ -373,6 +402,8 @@ def _resolve_strategy_and_precision(
     shards = hw.devices if hw.strategy == Strategy.fsdp else 1
     if hw.strategy == Strategy.model_parallel:
         free = sum(g.free_bytes for g in used)  # spread over all of them (activations aside)
+        if budget is not None:
+            free = min(free, budget * len(used))
     if hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None:
         if os.environ.get(LAUNCH_ID_ENV):
             # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as
@@ -382,7 +413,11 @@ def _resolve_strategy_and_precision(
                 "from the memory they see); every layer recomputes. Choose with hardware.checkpoint_layers=N."
             )
         else:
-            _fit_checkpointing(cfg, int(free * (1 - AUTO_CHECKPOINT_HEADROOM)), shards, notes)
+            # An explicit budget is the run's own cap: no headroom is taken off it (the estimate's `total` already
+            # counts the CUDA context and the allocator's slack); free memory keeps the headroom.
+            measured = min(g.free_bytes for g in used) * (len(used) if hw.strategy == Strategy.model_parallel else 1)
+            planned = int(measured * (1 - AUTO_CHECKPOINT_HEADROOM))
+            _fit_checkpointing(cfg, min(planned, free) if budget is not None else planned, shards, notes)
     estimate = estimate_for_config(cfg, num_shards=shards)
     if estimate.total > free:
         from exp.memory import suggest_micro_batch
@@ -396,7 +431,8 @@ def _resolve_strategy_and_precision(
         findings.append(
             Finding(
                 "memory",
-                f"the estimated peak is {estimate.total / 2**30:.1f} GiB per GPU but {free / 2**30:.1f} GiB is free on "
+                f"the estimated peak is {estimate.total / 2**30:.1f} GiB per GPU but {free / 2**30:.1f} GiB is "
+                f"{'allowed (hardware.memory_budget_gib, or the free memory)' if budget is not None else 'free'} on "
                 f"{used[0].name}:\n{estimate.as_table()}\nFix: {fix}; or hardware.gradient_checkpointing=true.",
             )
         )
@@ -414,10 +450,14 @@ def _fit_checkpointing(cfg: TrainConfig, budget: int, shards: int, notes: list[s
     hw.gradient_checkpointing, hw.checkpoint_layers = k > 0, (k if 0 < k < layers else None)
     est = estimate_for_config(cfg, num_shards=shards).total / GiB
     choice = "none" if k == 0 else "all" if k == layers else f"the first {k}"
+    within = (
+        f"hardware.memory_budget_gib={hw.memory_budget_gib:g}"
+        if hw.memory_budget_gib is not None and budget <= hw.memory_budget_gib * GiB
+        else f"the free memory less {AUTO_CHECKPOINT_HEADROOM:.0%} headroom"
+    )
     notes.append(
         f"hardware.auto_checkpoint_layers: {choice} of {layers} decoder layers recompute their activations "
-        f"(estimated peak {est:.1f} GiB, within {budget / GiB:.1f} GiB: the free memory less "
-        f"{AUTO_CHECKPOINT_HEADROOM:.0%} headroom)"
+        f"(estimated peak {est:.1f} GiB, within {budget / GiB:.1f} GiB: {within})"
     )
 
 

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 from exp.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.config import TrainConfig
+from exp.precision import FusedOptimizerMixedPrecision, build_precision_plugin
 from exp.preemption import PreemptionCheckpoint
 from exp.samples import build_sample_callbacks
 
@@ -66,8 +67,13 @@ class StepProgressBar(TQDMProgressBar):
         return trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
 
 
-def _plugins() -> list:
+def _plugins(cfg: TrainConfig) -> list:
     plugins: list = [AtomicCheckpointIO()]
+    hw = cfg.hardware
+    # FSDP brings its own precision plugin (sharded scaler, FSDP's mixed-precision policy); every other strategy
+    # gets Lightning's mixed precision made to clip fused optimizers (exp.precision).
+    if hw.strategy.value != "fsdp" and (precision := build_precision_plugin(hw.precision, hw.accelerator.value)):
+        plugins.append(precision)
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     if SLURMEnvironment.detect():
@@ -80,14 +86,16 @@ def _plugins() -> list:
 def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: bool = False) -> L.Trainer:
     hw, t = cfg.hardware, cfg.trainer
     accumulate = cfg.accumulate_grad_batches
+    plugins = _plugins(cfg)
     return L.Trainer(
         accelerator=hw.accelerator.value,
         # A model-parallel run is one process (the model spans its GPUs): Lightning drives one device.
         devices=1 if hw.strategy.value == "model_parallel" else hw.devices,
         strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
-        precision=hw.precision,
-        plugins=_plugins(),
+        # Lightning refuses a precision flag next to a precision plugin: the plugin, where there is one, decides.
+        precision=None if any(isinstance(p, FusedOptimizerMixedPrecision) for p in plugins) else hw.precision,
+        plugins=plugins,
         max_steps=t.max_steps,
         max_epochs=-1,  # max_steps decides; the training stream never ends (exp.data.TrainStream)
         accumulate_grad_batches=accumulate,
