@@ -216,3 +216,36 @@ def test_bench_on_gpu_uses_the_fast_path(tmp_path):
     assert exp["status"] == "ok" and exp["parity"]["ok"] and exp["parity"]["same_lora_init"]
     assert exp["loss_impl"] in ("liger", "chunked") and exp["fused_adamw"] is True
     assert exp["peak_memory_gib"] > 0 and exp["mfu"] > 0 and rows["baseline"]["peak_memory_gib"] > 0
+
+
+def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(tmp_path):
+    """Real-data mode on the CPU (a harness test, not a speed claim): the baseline pads each step's examples, exp
+    batches them its own way; both are scored on real tokens and by the validation loss after the same steps."""
+    words = "red green blue fox owl cat dog sun moon star tree leaf".split()
+    rows = [
+        {
+            "instruction": "Repeat the words.",
+            "input": " ".join(words[: 2 + i % 9]),
+            "output": " ".join(words[: 2 + i % 9]),
+        }
+        for i in range(60)
+    ]
+    data = tmp_path / "tiny_alpaca.json"
+    data.write_text(json.dumps(rows))
+    args = ["--model", "gemma_tiny", "--seq", "64", "--micro-batch", "8", "--steps", "4", "--warmup", "1"]
+    proc = run_bench(tmp_path, *args, "--data", str(data), "--memory-budget", "baseline")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report, md = read_report(tmp_path)
+    base, exp = report["rows"]
+    assert (base["variant"], exp["variant"]) == ("baseline", "exp")
+    for r in (base, exp):
+        assert r["status"] == "ok", r.get("error")
+        assert len(r["real_tokens"]) == 4 and all(n > 0 for n in r["real_tokens"])
+        assert math.isfinite(r["val_loss"]) and r["tokens_per_s"] > 0 and r["all_steps_s"] > 0
+    # The CPU's exp default (hardware=cpu) takes the step's 8 examples in one micro-batch, as the baseline does.
+    assert exp["micro_batch_exp"] * exp["accumulate"] == 8
+    assert exp["parity"]["same_lora_init"] and "baseline_val_loss" in exp["parity"]
+    assert exp["checkpoint_layers"] == 0 and exp["layers"] == 4
+    assert "Real data:" in md and "| variant | all steps s |" in md
+    # No GPU here: the baseline has no measured peak, so the exp side ran without a budget.
+    assert exp["memory_budget_gib"] is None

@@ -62,6 +62,11 @@ BENCH_OWNED = (
     "trainer.lr_schedule",
     "trainer.warmup_steps",
     "data.max_seq_len",
+    "data.path",
+    "data.format",
+    "data.seed",
+    "data.val_size",
+    "hardware.memory_budget_gib",
 )
 ABLATION = [
     "baseline",
@@ -90,16 +95,29 @@ class Settings:
     lr: float = 1e-4
     seed: int = 0  # token batches (seed + step) and LoRA initialisation
     device: str = "cuda"
+    # GiB: exp's hardware.memory_budget_gib (what its preflight may plan checkpointing for); None: the free memory.
+    memory_budget: float | None = None
+    # Real-data mode: an Alpaca-format file. Both sides train on its examples (exp's tokenisation and split), a step
+    # is `micro_batch` examples, `seq` is data.max_seq_len; the baseline pads each step's examples to the longest,
+    # exp batches them with its own defaults. The validation split is evaluated after the last step.
+    data_path: str | None = None
 
     def exp_overrides(self) -> list[str]:
         """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
+        if self.data_path:
+            # exp's own batching of real data (hardware=gpu's micro-batch, accumulated to the step's examples).
+            batching = ["data=alpaca", f"data.path={self.data_path}"]
+        else:
+            batching = [f"hardware.micro_batch_size={self.micro_batch}"]  # one micro-batch per step, as the baseline
+        budget = [f"hardware.memory_budget_gib={self.memory_budget}"] if self.memory_budget else []
         return [
             f"model={self.model}",
             "model.random_init=true",
             f"hardware={'gpu' if self.device == 'cuda' else 'cpu'}",
-            f"hardware.micro_batch_size={self.micro_batch}",
+            *batching,
+            *budget,
             "trainer=default",
-            f"trainer.global_batch_size={self.micro_batch}",  # one micro-batch per optimiser step, as the baseline
+            f"trainer.global_batch_size={self.micro_batch}",
             f"trainer.max_steps={self.steps}",
             f"trainer.learning_rate={self.lr}",
             "trainer.lr_schedule=constant",
@@ -201,10 +219,40 @@ def _checkpoint_and_vocab(settings: Settings) -> tuple[str, int, float]:
     return path, AutoConfig.from_pretrained(path).vocab_size, time.perf_counter() - started
 
 
+def real_data(settings: Settings):
+    """exp's data module for real-data mode: the tokenised examples and the split both sides use."""
+    from exp.data import build_datamodule
+    from exp.model import build_tokenizer
+    from exp.train import compose_config
+
+    cfg = compose_config(settings.exp_overrides(), ROOT)
+    tokenizer = build_tokenizer(cfg.model)
+    return cfg, tokenizer, build_datamodule(cfg.data, tokenizer, settings.micro_batch)
+
+
+def baseline_real_batches(settings: Settings):
+    """The hand-written loop's natural batching of real data: each step `micro_batch` examples in exp's seeded
+    epoch order (without length grouping), padded to the longest; the validation split in padded batches of 4."""
+    from exp.data import collate, shuffled_batches
+
+    cfg, tokenizer, dm = real_data(settings)
+    pad = tokenizer.pad_token_id
+    per_epoch = len(shuffled_batches(len(dm.train_set), settings.micro_batch, cfg.data.seed, 0))
+
+    def batch(i: int) -> dict[str, Any]:
+        epoch, k = divmod(i, per_epoch)
+        indices = shuffled_batches(len(dm.train_set), settings.micro_batch, cfg.data.seed, epoch)[k]
+        return collate([dm.train_set[j] for j in indices], pad)
+
+    val = [collate(dm.val_set[k : k + 4], pad) for k in range(0, len(dm.val_set), 4)]
+    return batch, val
+
+
 def run_baseline_worker(settings: Settings, variant: Variant) -> dict[str, Any]:
     from exp.bench_baseline import BaselineOptions, run_baseline
 
     checkpoint, _, build_s = _checkpoint_and_vocab(settings)
+    batches, val = baseline_real_batches(settings) if settings.data_path else (None, None)
     out = run_baseline(
         checkpoint,
         seq=settings.seq,
@@ -219,6 +267,8 @@ def run_baseline_worker(settings: Settings, variant: Variant) -> dict[str, Any]:
         seed=settings.seed,
         device=settings.device,
         options=BaselineOptions.parse(variant.options),
+        batches=batches,
+        val_batches=val,
     )
     return {"build_s": round(build_s, 2), **out}
 
@@ -229,7 +279,8 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     from torch.utils.data import DataLoader
 
     from exp.bench_baseline import token_batch
-    from exp.model import quiet_third_party_logs
+    from exp.memory import estimate_for_config
+    from exp.model import decoder_layers, quiet_third_party_logs
     from exp.module import QLoRAModule
     from exp.preflight import check, format_findings, probe_environment
     from exp.tracking import build_loggers
@@ -240,29 +291,62 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     checkpoint, vocab, build_s = _checkpoint_and_vocab(settings)
     cfg = compose_config(settings.exp_overrides() + variant.options, ROOT)
     on_gpu = cfg.hardware.accelerator.value != "cpu"
-    # exp's preflight resolves what the config leaves to the machine (precision "auto" -> bf16-mixed on an H200).
-    # Its memory estimate is not asked: finding the largest micro-batch that fits is what a capacity run is for.
-    result = check(cfg, probe_environment(check_bitsandbytes=False, need_gpus=on_gpu), memory_check=False)
-    if not result.ok:
+    # exp's preflight decides what `python -m exp.train` would: precision, compile, and the checkpointed layers
+    # from the memory it may use (hardware.memory_budget_gib, or the free memory). Its memory check's refusal is
+    # not applied: running out of memory is a result here (capacity runs), reported as "oom".
+    result = check(cfg, probe_environment(check_bitsandbytes=False, need_gpus=on_gpu))
+    refused = [f for f in result.findings if f.key != "memory"]
+    if refused:
         raise RuntimeError(format_findings(result))
     cfg = result.cfg
     cuda = settings.device == "cuda"
-    tokens = [token_batch(i, settings.seed, settings.micro_batch, settings.seq, vocab) for i in range(settings.steps)]
-    batches = [{"input_ids": x, "labels": x} for x in tokens]  # labels = inputs, as the baseline
-    clock = step_clock(settings.warmup, cuda)
-
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    datamodule = None
+    if settings.data_path:
+        from exp.data import build_datamodule
+        from exp.model import build_tokenizer
+
+        datamodule = build_datamodule(cfg.data, build_tokenizer(cfg.model), cfg.hardware.micro_batch_size)
+        L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)  # as exp.train: data, then the seed
+    else:
+        tokens = [
+            token_batch(i, settings.seed, settings.micro_batch, settings.seq, vocab) for i in range(settings.steps)
+        ]
+        batches = [{"input_ids": x, "labels": x} for x in tokens]  # labels = inputs, as the baseline
+    clock = step_clock(settings.warmup, cuda, cfg.accumulate_grad_batches)
+
     module = QLoRAModule(cfg)
     loggers = build_loggers(cfg.logger, work_dir, "bench", config_dict(cfg))
-    trainer = build_trainer(cfg, work_dir, loggers)
+    trainer = build_trainer(cfg, work_dir, loggers, resuming=datamodule is None)
     trainer.callbacks.append(clock)
     started = time.perf_counter()
-    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    if datamodule is not None:
+        trainer.fit(module, datamodule=datamodule)
+    else:
+        trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    fit_s = time.perf_counter() - started
+    val_loss = None
+    if datamodule is not None:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        val_loss = module.last_val["val/loss"]
     optimizer = trainer.optimizers[0]
     hw = cfg.hardware
+    layers = len(decoder_layers(module.model))
     return {
+        "real_tokens": clock.real_tokens,
+        "val_loss": val_loss,
+        "micro_batch_exp": hw.micro_batch_size,
+        "accumulate": cfg.accumulate_grad_batches,
+        "preflight_notes": result.notes,
+        "memory_finding": next((f.message for f in result.findings if f.key == "memory"), None),
+        "estimated_gib": round(estimate_for_config(cfg).allocated / 2**30, 2),
+        "checkpoint_layers": (hw.checkpoint_layers if hw.checkpoint_layers is not None else layers)
+        if hw.gradient_checkpointing
+        else 0,
+        "layers": layers,
+        "memory_budget_gib": hw.memory_budget_gib,
         "build_s": round(build_s, 2),
-        "fit_s": round(time.perf_counter() - started, 2),
+        "fit_s": round(fit_s, 2),
         "step_s": clock.step_s,
         "losses": [float(v) for v in clock.losses],
         "peak_memory_bytes": clock.peak,
@@ -279,8 +363,12 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     }
 
 
-def step_clock(warmup: int, cuda: bool):
+def step_clock(warmup: int, cuda: bool, accumulate: int = 1):
     """A Lightning callback timing each optimiser step between device synchronisations, as the baseline does.
+
+    An optimiser step of `accumulate` micro-batches is timed from the start of its first to the end of its last;
+    its real (non-padding) input tokens are counted on the host (QLoRAModule counts them before the transfer) and
+    its loss is the mean of its micro-batches' losses.
 
     Started before the module's own `on_train_batch_start` and stopped after the optimiser step (and Lightning's
     progress bar / logging of that step), so exp's per-step bookkeeping is inside the measured time. It keeps the
@@ -303,21 +391,33 @@ def step_clock(warmup: int, cuda: bool):
             self.fingerprint: str | None = None
             self.b_norm: float | None = None
             self.peak: int | None = None  # max_memory_allocated at the end of the last step (CUDA)
+            self.real_tokens: list[int] = []
             self._t0 = 0.0
+            self._tokens = 0
+            self._step_losses: list[torch.Tensor] = []
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.fingerprint = lora_fingerprint(pl_module.model)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx == warmup and cuda:
+            self._tokens += pl_module._batch_tokens
+            if batch_idx % accumulate:
+                return  # mid-step
+            if batch_idx == warmup * accumulate and cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            # Lightning divides the returned loss by `accumulate`; the micro-batch's own loss is logged unscaled.
+            self._step_losses.append(outputs["loss"].detach() * accumulate)
+            if (batch_idx + 1) % accumulate:
+                return
             sync()
             self.step_s.append(time.perf_counter() - self._t0)
-            self.losses.append(outputs["loss"].detach())
+            self.losses.append(torch.stack(self._step_losses).mean())
+            self.real_tokens.append(self._tokens)
+            self._step_losses, self._tokens = [], 0
             if cuda:
                 self.peak = torch.cuda.max_memory_allocated()
 
@@ -409,25 +509,57 @@ def run_variant(settings: Settings, variant: Variant, tmp: Path, index: int) -> 
 
 
 def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], peak_tflops: float | None) -> None:
-    """Add tokens/s (median of the timed steps), peak GiB and MFU to a worker's row."""
-    timed = row.get("step_s", [])[settings.warmup :]
+    """Add tokens/s, peak GiB, MFU and the warm-up's extra time to a worker's row.
+
+    Random tokens: tokens/s from the median timed step (every step has micro-batch x seq tokens). Real data: real
+    (non-padding) tokens of the timed steps over their summed time (steps differ in size), and the same over all
+    steps, warm-up and compilation included (`all_steps_*`). `warmup_extra_s`: what the untimed first steps took
+    beyond as many typical steps (compilation, allocator and kernel warm-up): what a short run pays once.
+    """
+    steps = row.get("step_s", [])
+    timed = steps[settings.warmup :]
     if row["status"] != "ok" or not timed:
         return
     median = statistics.median(timed)
     row["step_s_median"] = round(median, 5)
-    row["tokens_per_s"] = round(settings.micro_batch * settings.seq / median, 1)
+    row["warmup_extra_s"] = round(sum(steps[: settings.warmup]) - settings.warmup * median, 2)
+    real = row.get("real_tokens")
+    if settings.data_path and real:
+        row["tokens_per_s"] = round(sum(real[settings.warmup :]) / sum(timed), 1)
+        row["all_steps_s"] = round(sum(steps), 2)
+        row["all_steps_real_tokens"] = sum(real)
+        row["all_steps_tokens_per_s"] = round(sum(real) / sum(steps), 1)
+    else:
+        row["tokens_per_s"] = round(settings.micro_batch * settings.seq / median, 1)
     peak = row.get("peak_memory_bytes")
     row["peak_memory_gib"] = round(peak / 2**30, 2) if peak is not None else None
-    row["mfu"] = round(row["tokens_per_s"] * flops["per_token"] / (peak_tflops * 1e12), 4) if peak_tflops else None
+    # Real data has no fixed sequence length (attention FLOPs per token vary): no MFU.
+    mfu_ok = peak_tflops and not settings.data_path
+    row["mfu"] = round(row["tokens_per_s"] * flops["per_token"] / (peak_tflops * 1e12), 4) if mfu_ok else None
 
 
-def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float) -> None:
-    """Each row against the plain baseline of its micro-batch: speed-up, loss parity, identical LoRA init."""
+def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: float = 0.02) -> None:
+    """Each row against the plain baseline of its micro-batch: speed-up, loss parity, identical LoRA init.
+
+    Random tokens: both sides train on the very same batches, so the per-step losses are compared. Real data: exp
+    batches the examples its own way (steps hold other examples), so the validation loss after the same examples
+    is compared instead (within `val_tol`), and the speed-up is in real tokens per second.
+    """
     for row in rows:
         ref = next((r for r in rows if r["is_reference"] and r["micro_batch"] == row["micro_batch"]), None)
         if ref is None or ref is row or ref["status"] != "ok" or row["status"] != "ok":
             continue
         row["speedup"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3) if ref.get("tokens_per_s") else None
+        if row.get("val_loss") is not None and ref.get("val_loss") is not None:
+            diff = abs(row["val_loss"] - ref["val_loss"]) / abs(ref["val_loss"])
+            row["parity"] = {
+                "val_loss": row["val_loss"],
+                "baseline_val_loss": ref["val_loss"],
+                "max_rel_loss_diff": diff,
+                "ok": diff <= val_tol,
+                "same_lora_init": row.get("lora_fingerprint") == ref.get("lora_fingerprint"),
+            }
+            continue
         k = min(parity_steps, len(ref["losses"]), len(row["losses"]))
         diffs = [abs(a - b) / abs(b) for a, b in zip(row["losses"][:k], ref["losses"][:k], strict=True)]
         row["parity"] = {
@@ -436,6 +568,15 @@ def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float) -> None:
             "ok": bool(diffs) and max(diffs) <= tol,
             "same_lora_init": row.get("lora_fingerprint") == ref.get("lora_fingerprint"),
         }
+
+
+def checkpoint_cell(row: dict[str, Any]) -> str:
+    """How many decoder layers recompute in the backward: `none`, `14/28`, `28/28` (`full` for the baseline)."""
+    if "checkpoint_layers" in row:
+        return f"{row['checkpoint_layers']}/{row['layers']}" if row["checkpoint_layers"] else "none"
+    if "gradient_checkpointing" in row:
+        return "full" if row["gradient_checkpointing"] else "none"
+    return "-"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -449,16 +590,32 @@ def markdown(report: dict[str, Any]) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) + ".",
         f"git: {report['git'].get('commit')}{' (dirty)' if report['git'].get('dirty') else ''}.",
         "",
-        f"{s['steps']} steps per variant, the first {s['warmup']} untimed; tokens/s = micro-batch x seq / median "
-        "timed step; peak = `max_memory_allocated` after warm-up (CUDA); MFU = tokens/s x "
-        f"{report['flops']['per_token'] / 1e9:.4g} GFLOP/token (4N + attention) / "
-        + (f"{report['peak_tflops']:g} TFLOP/s. " if report["peak_tflops"] else "the GPU's peak (none on the CPU). ")
-        + f"Loss diff = max over the first {report['parity_steps']} steps of |loss - baseline| / baseline "
-        f"(tolerance {report['parity_tol']:.0%}).",
+        *(
+            [
+                f"Real data: `{s['data_path']}`, {s['micro_batch']} examples per step, data.max_seq_len {s['seq']}; "
+                f"{s['steps']} steps per variant, the first {s['warmup']} untimed; tokens/s = real (non-padding) "
+                "tokens of the timed steps / their time; peak = `max_memory_allocated` after warm-up (CUDA). Loss diff "
+                "= |validation loss - baseline's| / baseline's after the same steps (tolerance 2%). The baseline pads "
+                "each step's examples to the longest; exp batches them with its defaults (micro-batch x accumulation "
+                "in the micro-batch column).",
+            ]
+            if s.get("data_path")
+            else [
+                f"{s['steps']} steps per variant, the first {s['warmup']} untimed; tokens/s = micro-batch x seq / "
+                "median timed step; peak = `max_memory_allocated` after warm-up (CUDA); MFU = tokens/s x "
+                f"{report['flops']['per_token'] / 1e9:.4g} GFLOP/token (4N + attention) / "
+                + (f"{report['peak_tflops']:g} TFLOP/s. " if report["peak_tflops"] else "the GPU's peak (none here). ")
+                + f"Loss diff = max over the first {report['parity_steps']} steps of |loss - baseline| / baseline "
+                f"(tolerance {report['parity_tol']:.0%}).",
+            ]
+        ),
+        "Ckpt: decoder layers recomputed in the backward (exp: as its preflight chose"
+        + (f", within hardware.memory_budget_gib={s['memory_budget']}" if s.get("memory_budget") else "")
+        + "). Warm-up extra: the untimed first steps' time beyond as many median steps (compilation included).",
         "",
-        "| variant | micro-batch | loss | ckpt | tokens/s | vs baseline | MFU | peak GiB | loss diff | same LoRA init "
-        "| status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | micro-batch | loss | ckpt | compile | tokens/s | vs baseline | MFU | peak GiB | warm-up extra s "
+        "| loss diff | same LoRA init | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(v: Any, spec: str = "") -> str:
@@ -467,16 +624,32 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         parity = r.get("parity") or {}
         diff = parity.get("max_rel_loss_diff")
+        micro = (
+            r["micro_batch"]
+            if r.get("micro_batch_exp") in (None, r["micro_batch"])
+            else (f"{r['micro_batch']} ({r['micro_batch_exp']} x {r.get('accumulate')})")
+        )
         lines.append(
-            f"| {r['variant']} | {r['micro_batch']} | {r.get('loss_impl', '-')} "
-            f"| {'full' if r.get('gradient_checkpointing') else 'none' if 'gradient_checkpointing' in r else '-'} "
+            f"| {r['variant']} | {micro} | {r.get('loss_impl', '-')} | {checkpoint_cell(r)} "
+            f"| {'-' if 'compile' not in r else 'yes' if r['compile'] else 'no'} "
             f"| {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} "
-            f"| {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'))} "
+            f"| {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'))} | {fmt(r.get('warmup_extra_s'))} "
             f"| {'-' if diff is None else f'{diff:.2e}'} | {'-' if not parity else 'yes' if parity['same_lora_init'] else 'NO'} "
             f"| {r['status']} |"
         )
     lines += [f"\n{r['variant']} (micro-batch {r['micro_batch']}): reused from {r['reference_from']}"
               for r in report["rows"] if r.get("reference_from")]  # fmt: skip
+    if s.get("data_path"):
+        lines += [
+            "",
+            "| variant | all steps s | real tokens | real tokens/s, all steps | validation loss |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['variant']} | {fmt(r.get('all_steps_s'))} | {fmt(r.get('all_steps_real_tokens'), ',')} "
+            f"| {fmt(r.get('all_steps_tokens_per_s'), ',.0f')} | {fmt(r.get('val_loss'), '.4f')} |"
+            for r in report["rows"]
+        ]
     lines += ["", "Per-step losses:", "", "| step | " + " | ".join(r["variant"] for r in report["rows"]) + " |"]
     lines.append("|---" * (len(report["rows"]) + 1) + "|")
     n = max((len(r.get("losses", [])) for r in report["rows"]), default=0)
@@ -489,8 +662,9 @@ def markdown(report: dict[str, Any]) -> str:
 def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
     """The plain baseline's rows of an earlier result, if it was measured with these settings (for split runs)."""
     earlier = json.loads(path.read_text())
-    mine = {**asdict(settings), "micro_batch": None}
-    theirs = {**earlier["settings"], "micro_batch": None}
+    # The memory budget is exp's alone: the baseline ran the same whatever it was.
+    mine = {**asdict(settings), "micro_batch": None, "memory_budget": None}
+    theirs = {**Settings().__dict__, **earlier["settings"], "micro_batch": None, "memory_budget": None}
     if mine != theirs:
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         raise ValueError(f"--reference {path}: measured with other settings (theirs, ours): {diff}")
@@ -543,11 +717,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="JSON",
         help="take the plain baseline's rows from this earlier result (same settings) instead of running it again",
     )
+    p.add_argument(
+        "--memory-budget",
+        metavar="GiB|baseline",
+        help="GPU memory exp's preflight may plan for (hardware.memory_budget_gib): a number of GiB, or 'baseline' "
+        "for the plain baseline's measured peak (the baseline then runs first)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        help="real-data mode: an Alpaca-format file; --micro-batch is the examples per step, --seq data.max_seq_len",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step would be timed")
+    if a.memory_budget not in (None, "baseline"):
+        try:
+            if float(a.memory_budget) <= 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--memory-budget {a.memory_budget}: a positive number of GiB, or 'baseline'")
+    if a.data:
+        a.data = str(Path(a.data).resolve())
+        if not Path(a.data).is_file():
+            p.error(f"--data {a.data}: no such file")
     return a
 
 
@@ -573,8 +768,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             if v.side == "exp":  # the name keeps the variant's own options; the run gets the common ones too
                 v.options = [*a.overrides, *v.options]
+        fixed_budget = float(a.memory_budget) if a.memory_budget not in (None, "baseline") else None
         base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
-                        a.lora_dropout, list(targets), a.lr, a.seed, device)  # fmt: skip
+                        a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
     except (ValueError, ConfigError) as e:
         print(f"exp.bench: error: {e}", file=sys.stderr)
@@ -600,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(device),
         "versions": versions(),
         "git": _git_state(ROOT),
-        "settings": {**asdict(base), "micro_batch": a.micro_batch},
+        "settings": {**asdict(base), "micro_batch": a.micro_batch, "memory_budget": a.memory_budget},
         "arch": arch,
         "flops": {**flops, "formula": model_flops_per_token.__doc__.split("\n\n")[0].strip()},
         "peak_tflops": peak_tflops,
@@ -618,9 +814,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exp.bench: {len(variants)} variant(s) x micro-batch {a.micro_batch} on {report['device']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="exp-bench-") as tmp:
         index = 0
+        if a.memory_budget == "baseline":  # its peak is the budget of the exp variants: measure it first
+            variants.sort(key=lambda v: not v.is_reference)
         for mb in a.micro_batch:
             settings = Settings(**{**asdict(base), "micro_batch": mb})
             for v in variants:
+                if a.memory_budget == "baseline" and v.side == "exp":
+                    ref = next((r for r in report["rows"] if r["is_reference"] and r["micro_batch"] == mb), None)
+                    peak = ref.get("peak_memory_gib") if ref else None
+                    if peak is None:  # the CPU measures no peak; a failed baseline has none
+                        print(f"exp.bench: no baseline peak for micro-batch {mb}: {v.name} runs without a budget")
+                    settings.memory_budget = peak
                 row = run_variant(settings, v, Path(tmp), index)
                 index += 1
                 row = {"variant": v.name, "side": v.side, "micro_batch": mb, "is_reference": v.is_reference, **row}

@@ -20,10 +20,12 @@ one bitsandbytes' CPU kernels train in.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,6 +76,24 @@ def lora_b_norm(model: torch.nn.Module) -> float:
     return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
 
 
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Mean next-token cross-entropy over the loss-bearing tokens (labels != -100) of `batches`, in fp32."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    count = 0
+    for batch in batches:
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1].float()
+        target = labels[:, 1:]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")
+        count += int((target != -100).sum())
+        del logits
+    model.train()
+    return float(total / count)
+
+
 def run_baseline(
     checkpoint: str,
     *,
@@ -89,8 +109,15 @@ def run_baseline(
     seed: int,
     device: str,
     options: BaselineOptions,
+    batches: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    val_batches: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """Load, wrap and train `steps` steps; the first `warmup` are not timed and precede the peak-memory reset."""
+    """Load, wrap and train `steps` steps; the first `warmup` are not timed and precede the peak-memory reset.
+
+    `batches(i)` gives step i's batch (input_ids, labels, optionally attention_mask): by default `token_batch`
+    with labels = inputs. `val_batches`, if given, are evaluated after training: the mean loss over their
+    loss-bearing tokens (`val_loss`).
+    """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -144,16 +171,25 @@ def run_baseline(
         if cuda:
             torch.cuda.synchronize()
 
+    def random_tokens(i: int) -> dict[str, torch.Tensor]:
+        x = token_batch(i, seed, micro_batch, seq, vocab)
+        return {"input_ids": x, "labels": x}
+
+    batches = batches or random_tokens
     times: list[float] = []
     losses: list[float] = []
+    real_tokens: list[int] = []
     peak = None
     for i in range(steps):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        x = token_batch(i, seed, micro_batch, seq, vocab).to(model.device)
+        batch = batches(i)
+        mask = batch.get("attention_mask")
+        real_tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
+        batch = {k: v.to(model.device) for k, v in batch.items()}
         sync()
         t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -162,7 +198,10 @@ def run_baseline(
         losses.append(loss.item())
     if cuda:
         peak = torch.cuda.max_memory_allocated()
+    val_loss = evaluate(model, val_batches) if val_batches else None
     return {
+        "real_tokens": real_tokens,
+        "val_loss": val_loss,
         "load_s": round(load_s, 2),
         "step_s": times,
         "losses": losses,
