@@ -1,13 +1,17 @@
 """Measure the peak GPU memory of real training steps and set it next to `exp.memory`'s prediction.
 
     python benchmarks/memory_calibration.py [--models gemma_2b gemma_7b] [--quick] [--out benchmarks/results/memory_calibration]
+    python benchmarks/memory_calibration.py --models gemma_2b --grid 1024x2 1024x4 1024x8 --ckpt none \
+        --losses liger chunked --compile both            # the GPU fast path: fused losses, with and without compile
     python benchmarks/memory_calibration.py --dry-run      # the predictions only; no GPU, no model
 
 For each model shape (the published architecture in conf/model/<name>.yaml, random weights built the project's
 way) the model is loaded once through exp's own loader (`exp.model.build_model`: NF4 + double quant, bf16, LoRA r16
 on all 7 projections, dropout 0), then for every (seq, batch) and checkpointing on / off a few training steps run
 the way Lightning's training_step does (bf16 autocast, the model output dropped before backward, AdamW on the
-adapters, zero_grad(set_to_none=True)). The measured peak is `torch.cuda.max_memory_allocated()` over the steps
+adapters, zero_grad(set_to_none=True)), with the training loss of `exp.loss` (--losses: transformers' `hf`, exp's
+`chunked`, liger-kernel's `liger`) and, with --compile, the decoder layers compiled as `hardware.compile` does
+(the uncompiled combinations run first; compiling is in place). The measured peak is `torch.cuda.max_memory_allocated()` over the steps
 after warm-up; it is compared with `MemoryEstimate.allocated` (the prediction without the CUDA context / allocator
 slack, which that counter does not see). Combinations the estimator puts above --max-predicted-gib are skipped.
 
@@ -60,12 +64,21 @@ def load_arch(model: str) -> dict[str, Any]:
     return OmegaConf.to_container(node.arch, resolve=True)
 
 
-def combos(quick: bool, grid: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
-    out = [(seq, batch, ckpt) for seq, batch in grid for ckpt in (True, False)]
+CKPT = {"both": (True, False), "full": (True,), "none": (False,)}
+COMPILE = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
+def combos(
+    quick: bool, grid: list[tuple[int, int]], ckpts=(True, False), losses=("hf",), compiles=(False,)
+) -> list[tuple[int, int, bool, str, bool]]:
+    """(seq, batch, checkpointing, loss, compiled), uncompiled first (compiling the layers cannot be undone)."""
+    out = [
+        (seq, batch, ckpt, loss, comp) for comp in compiles for loss in losses for seq, batch in grid for ckpt in ckpts
+    ]
     return out[:1] if quick else out
 
 
-def predict(model: str, arch: dict[str, Any], seq: int, batch: int, ckpt: bool):
+def predict(model: str, arch: dict[str, Any], seq: int, batch: int, ckpt: bool, loss: str = "hf", comp: bool = False):
     from exp.memory import estimate_memory
 
     node = _model_node(model)
@@ -79,6 +92,8 @@ def predict(model: str, arch: dict[str, Any], seq: int, batch: int, ckpt: bool):
         micro_batch_size=batch,
         seq_len=seq,
         gradient_checkpointing=ckpt,
+        loss_impl=loss,
+        compiled=comp,
         compute_bytes=2,
         family=node.get("family", "gemma"),
         attn_implementation=node.get("attn_implementation", "sdpa"),
@@ -111,31 +126,32 @@ def gib(x: float | None) -> float | None:
 def dry_run(models: list[str], grid_combos: list[tuple[int, int, bool]], limit_gib: float) -> None:
     from exp.memory import GiB
 
-    print("| model | seq | batch | ckpt | predicted allocated GiB | predicted total GiB | peak at | run? |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | seq | batch | ckpt | loss | predicted allocated GiB | predicted total GiB | peak at | run? |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model in models:
         arch = load_arch(model)
-        for seq, batch, ckpt in grid_combos:
-            e = predict(model, arch, seq, batch, ckpt)
+        for seq, batch, ckpt, loss, comp in grid_combos:
+            e = predict(model, arch, seq, batch, ckpt, loss, comp)
             run = "yes" if e.total <= limit_gib * GiB else "skip"
             print(
-                f"| {model} | {seq} | {batch} | {ckpt} | {e.allocated / GiB:.2f} | {e.total / GiB:.2f} "
-                f"| {e.peak_phase} | {run} |",
+                f"| {model} | {seq} | {batch} | {ckpt} | {loss}{' compiled' if comp else ''} | "
+                f"{e.allocated / GiB:.2f} | {e.total / GiB:.2f} | {e.peak_phase} | {run} |",
                 flush=True,
             )
     arch = load_arch(models[0])
-    seq, batch, ckpt = grid_combos[0]
-    print(f"\n{models[0]} seq {seq} x batch {batch}, checkpointing {ckpt}:", flush=True)
-    print(predict(models[0], arch, seq, batch, ckpt).as_table(), flush=True)
+    seq, batch, ckpt, loss, comp = grid_combos[0]
+    print(f"\n{models[0]} seq {seq} x batch {batch}, checkpointing {ckpt}, {loss}:", flush=True)
+    print(predict(models[0], arch, seq, batch, ckpt, loss, comp).as_table(), flush=True)
 
 
 def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from exp.config import ModelFamily
+    from exp.config import LossImpl, ModelFamily
     from exp.local_models import build_random_checkpoint
+    from exp.loss import causal_lm_loss
     from exp.memory import GiB, config_arch
-    from exp.model import build_model, quiet_third_party_logs
+    from exp.model import build_model, compile_decoder_layers, quiet_third_party_logs
 
     quiet_third_party_logs()
     cfg = compose_cfg(model)
@@ -157,13 +173,19 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
     base = model_obj.base_model.model  # the transformers model under PEFT
     vocab = int(base.config.vocab_size)
 
-    for seq, batch, ckpt in grid_combos:
-        e = predict(model, arch, seq, batch, ckpt)
+    compiled = False
+    for seq, batch, ckpt, loss_impl, comp in grid_combos:
+        if comp and not compiled:
+            compile_decoder_layers(model_obj)
+            compiled = True
+        e = predict(model, arch, seq, batch, ckpt, loss_impl, comp)
         row: dict[str, Any] = {
             "model": model,
             "seq": seq,
             "batch": batch,
             "gradient_checkpointing": ckpt,
+            "loss_impl": loss_impl,
+            "compiled": comp,
             "predicted_allocated_gib": gib(e.allocated),
             "predicted_total_gib": gib(e.total),
             "predicted_peak_phase": e.peak_phase,
@@ -176,7 +198,8 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
         if e.total > a.max_predicted_gib * GiB:
             row["status"] = "skipped"
             print(
-                f"[{model}] seq {seq} x {batch} ckpt={ckpt}: predicted {e.total / GiB:.1f} GiB > limit, skipped",
+                f"[{model}] seq {seq} x {batch} ckpt={ckpt} {loss_impl}: predicted {e.total / GiB:.1f} GiB > limit, "
+                "skipped",
                 flush=True,
             )
             rows.append(row)
@@ -186,7 +209,8 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
         else:
             base.gradient_checkpointing_disable()
         model_obj.train()
-        print(f"[{model}] seq {seq} x {batch} ckpt={ckpt}: predicted {e.allocated / GiB:.2f} GiB ...", flush=True)
+        what = f"seq {seq} x {batch} ckpt={ckpt} {loss_impl}{' compiled' if comp else ''}"
+        print(f"[{model}] {what}: predicted {e.allocated / GiB:.2f} GiB ...", flush=True)
         oom = False
         losses: list[float] = []
         step_s: list[float] = []
@@ -200,9 +224,8 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
                 torch.cuda.synchronize()
                 t_step = time.perf_counter()
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model_obj(input_ids=x, labels=x)
-                loss = out.loss
-                del out  # as Lightning's training_step: only the loss survives until backward
+                    # exp's training loss (as QLoRAModule.training_step): hf returns only `.loss` of the output.
+                    loss = causal_lm_loss(model_obj, {"input_ids": x, "labels": x}, LossImpl(loss_impl))
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -230,7 +253,7 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
         m, p = row.get("measured_allocated_gib"), row["predicted_allocated_gib"]
         row["error_pct"] = round(100 * (p - m) / m, 1) if m else None
         print(
-            f"[{model}] seq {seq} x {batch} ckpt={ckpt}: {row['status']} measured {m} GiB, predicted {p} GiB"
+            f"[{model}] {what}: {row['status']} measured {m} GiB, predicted {p} GiB"
             + (f" ({row['error_pct']:+.1f}%)" if row["error_pct"] is not None else ""),
             flush=True,
         )
@@ -253,8 +276,9 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         "`exp.memory.estimate_memory(...).allocated` (without the CUDA-context / allocator `workspace`). "
         "Error = (predicted - measured) / measured.",
         "",
-        "| model | seq | batch | ckpt | measured GiB | predicted GiB | error % | reserved GiB | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | seq | batch | ckpt | loss | compiled | measured GiB | predicted GiB | error % | reserved GiB "
+        "| tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         measured = r.get("measured_allocated_gib")
@@ -262,7 +286,7 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         err = f"{r['error_pct']:+.1f}" if r.get("error_pct") is not None else "-"
         lines.append(
             f"| {r['model']} | {r['seq']} | {r['batch']} | {'full' if r['gradient_checkpointing'] else 'none'} "
-            f"| {shown} | {r['predicted_allocated_gib']} | {err} | {r.get('measured_reserved_gib') or '-'} "
+            f"| {r.get('loss_impl', 'hf')} | {'yes' if r.get('compiled') else 'no'} | {shown} | {r['predicted_allocated_gib']} | {err} | {r.get('measured_reserved_gib') or '-'} "
             f"| {r.get('tokens_per_s') or '-'} |"
         )
     return "\n".join(lines) + "\n"
@@ -281,12 +305,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="only the first combination per model (a smoke run)")
     p.add_argument("--dry-run", action="store_true", help="print the predictions; no GPU, no model")
     p.add_argument("--grid", nargs="+", type=seq_batch, metavar="SEQxBATCH", help="replace the (seq, batch) grid")
+    p.add_argument("--ckpt", choices=list(CKPT), default="both", help="gradient checkpointing of every layer")
+    p.add_argument("--losses", nargs="+", choices=["hf", "chunked", "liger"], default=["hf"])
+    p.add_argument("--compile", choices=list(COMPILE), default="off", help="decoder layers torch.compile'd")
     p.add_argument("--max-predicted-gib", type=float, default=120.0, help="skip combinations predicted above this")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/memory_calibration", help="output path without extension")
     a = p.parse_args(argv)
-    grid_combos = combos(a.quick, a.grid or list(GRID))
+    grid_combos = combos(a.quick, a.grid or list(GRID), CKPT[a.ckpt], tuple(a.losses), COMPILE[a.compile])
 
     if a.dry_run:
         dry_run(a.models, grid_combos, a.max_predicted_gib)
