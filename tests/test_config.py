@@ -308,7 +308,7 @@ def test_invalid_enum_value_fails_at_composition():
         (["lora.dropout=1.5"], "lora.dropout"),
         (["lora.target_modules=[]"], "lora.target_modules"),
         (["trainer.global_batch_size=12"], "trainer.global_batch_size"),
-        (["trainer.warmup_steps=5000"], "trainer.warmup_steps"),
+        (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
         (["hardware=cpu", "hardware.precision=16-mixed"], "hardware.precision"),
         (["quantization=int8"], "int8"),
         (["data=alpaca"], "data.path"),
@@ -333,7 +333,7 @@ def test_global_batch_not_multiple_of_micro_batch_names_both():
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        OmegaConf.to_object(compose(["lora.r=0", "lora.alpha=0", "trainer.warmup_steps=5000"]))
+        OmegaConf.to_object(compose(["lora.r=0", "lora.alpha=0", "trainer.warmup_steps=-5"]))
     msg = str(info.value)
     assert "lora.r" in msg
     assert "lora.alpha" in msg

@@ -74,3 +74,19 @@ def test_cuda_visible_devices_changed_after_init_gets_the_diagnosis(tmp_path):
     assert "EXIT 3" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[CUDA_VISIBLE_DEVICES]" in proc.stderr and "restart" in proc.stderr
     assert "INTERNAL ASSERT" in proc.stderr  # named in the message, not raised
+
+
+def test_lora_init_does_not_depend_on_the_default_device():
+    """Lightning builds the model under the strategy's device as torch's default device: the adapters must still
+    be drawn as on the CPU (same lora.init_seed, same adapters, whatever the machine)."""
+    from conftest import compose_typed
+
+    from exp.bench_baseline import lora_fingerprint
+    from exp.model import build_model
+
+    cfg = compose_typed(["hardware=gpu", "hardware.precision=bf16-mixed", "logger=csv"])
+    on_cpu = lora_fingerprint(build_model(compose_typed(["logger=csv"]), torch.device("cpu")))
+    with torch.device("cuda"):
+        on_gpu = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
+    assert {p.device.type for p in on_gpu.parameters() if p.requires_grad} == {"cuda"}
+    assert lora_fingerprint(on_gpu) == on_cpu

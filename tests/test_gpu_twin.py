@@ -51,11 +51,17 @@ def _batches(n: int = 6) -> list[torch.Tensor]:
     return [torch.randn(8, 16, generator=g) for _ in range(n)]
 
 
-def _fit(precision: str, fused: bool, clip: float | None, inf_at: int | None = None) -> _Linear:
+# The same checks on a GPU (pytest -m gpu): the CUDA fused kernel and CUDA autocast.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _fit(precision: str, fused: bool, clip: float | None, inf_at: int | None = None, device: str = "cpu") -> _Linear:
     module = _Linear(fused, inf_at)
+    accelerator = "cpu" if device == "cpu" else "gpu"
     trainer = L.Trainer(
-        accelerator="cpu",
-        plugins=[build_precision_plugin(precision, "cpu")],
+        accelerator=accelerator,
+        devices=1,
+        plugins=[build_precision_plugin(precision, accelerator)],
         gradient_clip_val=clip,
         max_steps=len(_batches()),
         logger=False,
@@ -67,15 +73,16 @@ def _fit(precision: str, fused: bool, clip: float | None, inf_at: int | None = N
     return module
 
 
-def _reference(precision: str, clip: float | None) -> torch.Tensor:
+def _reference(precision: str, clip: float | None, device: str = "cpu") -> torch.Tensor:
     """The same steps by hand: autocast, (fp16: scale, unscale), clip the true gradients, torch's AdamW."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(16, 16)
+    layer = torch.nn.Linear(16, 16).to(device)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    scaler = torch.amp.GradScaler(device) if precision == "16-mixed" else None
     for x in _batches():
-        with torch.autocast("cpu", dtype=dtype):
+        x = x.to(device)
+        with torch.autocast(device, dtype=dtype):
             loss = layer(x).float().pow(2).mean()
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
@@ -88,17 +95,18 @@ def _reference(precision: str, clip: float | None) -> torch.Tensor:
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-    return layer.weight.detach()
+    return layer.weight.detach().cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_fused_adamw_is_clipped_like_torchs_adamw(precision):
+def test_fused_adamw_is_clipped_like_torchs_adamw(precision, device):
     # Lightning's own MixedPrecision refuses to clip a fused optimizer (RuntimeError "does not allow for gradient
     # clipping"); exp's plugin unscales it first and clips the true gradients.
-    trained = _fit(precision, fused=True, clip=CLIP).layer.weight.detach()
-    torch.testing.assert_close(trained, _reference(precision, CLIP), rtol=1e-5, atol=1e-6)
+    trained = _fit(precision, fused=True, clip=CLIP, device=device).layer.weight.detach().cpu()
+    torch.testing.assert_close(trained, _reference(precision, CLIP, device), rtol=1e-5, atol=1e-6)
     # Clipping is in effect: without it the same steps end elsewhere.
-    assert not torch.allclose(trained, _reference(precision, None), atol=1e-4)
+    assert not torch.allclose(trained, _reference(precision, None, device), atol=1e-4)
 
 
 def test_lightnings_own_plugin_refuses_what_exps_clips():
@@ -119,9 +127,10 @@ def test_lightnings_own_plugin_refuses_what_exps_clips():
         trainer.fit(_Linear(fused=True), torch.utils.data.DataLoader(_batches(), batch_size=None))
 
 
-def test_fp16_scaler_skips_a_nonfinite_step_of_the_fused_optimizer():
-    skipped = _fit("16-mixed", fused=True, clip=CLIP, inf_at=2)
-    plain = _fit("16-mixed", fused=False, clip=CLIP, inf_at=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_scaler_skips_a_nonfinite_step_of_the_fused_optimizer(device):
+    skipped = _fit("16-mixed", fused=True, clip=CLIP, inf_at=2, device=device)
+    plain = _fit("16-mixed", fused=False, clip=CLIP, inf_at=2, device=device)
     # The fused kernel got the scaler's inf flag: the bad step changed nothing, exactly as for torch's AdamW.
     torch.testing.assert_close(skipped.layer.weight, plain.layer.weight, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(skipped.layer.weight).all()

@@ -290,3 +290,63 @@ def test_auto_resolving_to_the_cpu_still_refuses_what_the_cpu_cannot_run():
 def test_auto_resolving_to_the_cpu_accepts_a_valid_config():
     result = check(compose_typed(["hardware=auto"]), Environment(torch_cuda=None))
     assert result.ok and result.cfg.hardware.accelerator.value == "cpu"
+
+
+def test_a_warmup_longer_than_the_run_is_a_note_not_an_error():
+    """A short run of a recipe with a long warmup (trainer=tiny's 100 steps, trainer.max_steps=20) runs; the
+    preflight says that the learning rate never reaches its peak."""
+    result = check(compose_typed(["trainer.max_steps=20"]), Environment())
+    assert result.ok
+    assert any("trainer.warmup_steps=100 >= trainer.max_steps=20" in n for n in result.notes)
+
+
+def test_compile_auto_is_on_for_a_gpu_and_off_on_the_cpu(monkeypatch):
+    import importlib.util
+
+    import exp.preflight as preflight
+
+    assert (
+        check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment()).cfg.hardware.compile is False
+    )
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    monkeypatch.setattr(preflight, "compile_problem", lambda env: None)
+    assert check(compose_typed(["hardware=gpu"]), env, memory_check=False).cfg.hardware.compile is True
+    # Fallbacks: no Triton, or a GPU older than Volta: eager, and the preflight says why.
+    monkeypatch.undo()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
+    result = check(compose_typed(["hardware=gpu"]), env, memory_check=False)
+    assert result.cfg.hardware.compile is False
+    assert any("Triton is not installed" in n and "eagerly" in n for n in result.notes)
+    monkeypatch.undo()
+    old = Environment(torch_cuda="13.0", gpus=[Gpu("Tesla P100", 16 * 2**30, 15 * 2**30, (6, 0))])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real_find_spec(name, *a)
+    )
+    result = check(compose_typed(["hardware=gpu", "hardware.compile=true"]), old, memory_check=False)
+    assert result.cfg.hardware.compile is False and any("Triton needs 7.0" in n for n in result.notes)
+
+
+def test_memory_budget_caps_the_checkpointing_choice():
+    """hardware.memory_budget_gib: the preflight plans within it instead of the free memory (an H200 shared with
+    other jobs, or the footprint of another program)."""
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
+            "hardware.micro_batch_size=8", "trainer.global_batch_size=8", "hardware.compile=true"]  # fmt: skip
+    whole = check(compose_typed(base), env).cfg.hardware
+    capped = check(compose_typed([*base, "hardware.memory_budget_gib=60"]), env)
+    hw = capped.cfg.hardware
+    assert capped.ok and hw.gradient_checkpointing and hw.checkpoint_layers is not None
+    layers_whole = (whole.checkpoint_layers or 0) if whole.gradient_checkpointing else 0
+    assert hw.checkpoint_layers > layers_whole
+    assert any("hardware.memory_budget_gib=60" in n for n in capped.notes)
+    from exp.memory import estimate_for_config
+
+    assert estimate_for_config(capped.cfg).total <= 60 * 2**30
+    # One layer fewer would not fit: the fewest recomputed layers within the budget.
+    capped.cfg.hardware.checkpoint_layers -= 1
+    assert estimate_for_config(capped.cfg).total > 60 * 2**30
+    tight = check(compose_typed([*base, "hardware.memory_budget_gib=5"]), env)
+    assert not tight.ok and "allowed (hardware.memory_budget_gib" in str(tight.findings[0])

@@ -278,3 +278,19 @@ def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
     output = proc.stdout + proc.stderr
     assert "Create a W&B account" not in output and "Enter your choice" not in output  # W&B's login prompt
     assert not (launch / "wandb").exists() and not (launch / "outputs").exists()
+
+
+def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch, caplog):
+    """A GPU image or cluster node without wandb: a warning and the CSV, not a crash; online insists."""
+    import exp.tracking as tracking
+    from exp.config import ConfigError, LoggerConfig, WandbMode
+
+    monkeypatch.setattr(tracking, "wandb_installed", lambda: False)
+    with caplog.at_level("WARNING", logger="exp.tracking"):
+        loggers = tracking.build_loggers(LoggerConfig(), tmp_path, "run", {})
+    assert [type(lg).__name__ for lg in loggers] == ["CSVLogger"]
+    assert "wandb package is not installed" in caplog.text and "pip install wandb" in caplog.text
+    run_id = tracking.new_wandb_run_id()
+    assert len(run_id) == 8 and run_id.isalnum() and run_id == run_id.lower()
+    with pytest.raises(ConfigError, match="logger.mode=online: the wandb package is not installed"):
+        tracking.build_loggers(LoggerConfig(mode=WandbMode.online), tmp_path, "run", {})

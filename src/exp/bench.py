@@ -66,7 +66,6 @@ BENCH_OWNED = (
     "data.format",
     "data.seed",
     "data.val_size",
-    "hardware.memory_budget_gib",
 )
 ABLATION = [
     "baseline",

@@ -398,8 +398,8 @@ def _validate(cfg: TrainConfig) -> list[str]:
         )
     if t.learning_rate <= 0:
         p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. trainer.learning_rate=2e-4")
-    if t.max_steps >= 1 and (t.warmup_steps < 0 or t.warmup_steps >= t.max_steps):
-        p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})")
+    if t.warmup_steps < 0:
+        p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 (0: no warmup), e.g. trainer.warmup_steps=10")
     if t.max_grad_norm < 0:
         p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
     if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:

@@ -314,6 +314,13 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
         hw.strategy = Strategy.single_device
     if hw.precision == "auto":
         hw.precision = "32-true" if not on_gpu else "bf16-mixed"
+    t = cfg.trainer
+    if t.warmup_steps >= t.max_steps:
+        notes.append(
+            f"trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate rises for "
+            f"the whole run and never reaches trainer.learning_rate={t.learning_rate:g}; lower the warmup for a full "
+            "schedule"
+        )
     # The schema's cross-field checks once more, on the resolved values: `hardware=auto` may have become the CPU,
     # where e.g. int8 quantization or a paged optimizer cannot run.
     batch = batch_problems(hw, cfg.trainer)

@@ -70,8 +70,23 @@ def resolve_wandb_mode(cfg: LoggerConfig) -> str:
     return "online" if online_ok else "offline"
 
 
+def wandb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
 def new_wandb_run_id() -> str:
-    """A fresh W&B run id, chosen by exp so that checkpoints can carry it (and a resumed run reuse it)."""
+    """A fresh W&B run id, chosen by exp so that checkpoints can carry it (and a resumed run reuse it).
+
+    W&B's own generator where wandb is installed; otherwise the same form (8 characters of [a-z0-9]), so a run
+    started without wandb and resumed with it still gets one W&B run."""
+    if not wandb_installed():
+        import secrets
+        import string
+
+        alphabet = string.ascii_lowercase + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(8))
     from wandb.sdk.lib.runid import generate_id
 
     return generate_id()
@@ -94,6 +109,20 @@ def build_loggers(
     if cfg.kind == LoggerKind.none:
         return []
     loggers: list = [CSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
+    if cfg.kind == LoggerKind.wandb and not wandb_installed():
+        # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
+        # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
+        if cfg.mode == WandbMode.online:
+            raise ConfigError(
+                "logger.mode=online: the wandb package is not installed in this environment. Install it (pip install "
+                "wandb), or use logger=csv (metrics in csv/metrics.csv) or logger.mode=auto"
+            )
+        log.warning(
+            "logger=wandb: the wandb package is not installed, so metrics go to %s only. pip install wandb for W&B "
+            "tracking, or set logger=csv to silence this",
+            output_dir / "csv" / "metrics.csv",
+        )
+        return loggers
     if cfg.kind == LoggerKind.wandb:
         from lightning.pytorch.loggers import WandbLogger
 

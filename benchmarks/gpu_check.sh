@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# exp's whole GPU path in one command, on a CUDA machine with the project's dependencies (or their wheels in .whl/):
+#
+#   bash benchmarks/gpu_check.sh [STAGE ...]        (no stage: all of them, in this order)
+#
+#   tests        python -m pytest -m gpu (every GPU test; the 2-GPU ones skip on one GPU)
+#   readme       the GPU commands of README.md, as written
+#   bench2b      exp.bench, Gemma-2B shape, 2048 x 8: baseline, exp within the baseline's peak
+#   calibration  benchmarks/memory_calibration.py: the estimator on the fast path (liger / chunked, compile on / off)
+#   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak, exp on the
+#                whole GPU
+#   real         exp.bench real-data mode on ../shared/data/alpaca_en_demo.json (or $EXP_ALPACA), Gemma-7B shape
+#   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
+#   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 64 and 128
+#   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
+#
+# Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
+# calibration JSON/Markdown, pytest and command logs, run summaries). Each stage has a time limit
+# ($STAGE_TIMEOUT_<stage>, seconds), so one slow stage cannot take the rest of the call with it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}
+WORK=$(mktemp -d /tmp/gpu_check.XXXX)
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
+
+# Wheels the GPU image lacks, carried in .whl/, installed beside the image's own packages.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { log "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$ROOT/src
+else
+  export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Random-weight checkpoints (17 GB for the 7B shape) are written once and read by every variant: RAM disk if it is
+# large enough, else local disk.
+shm_free=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
+if [ "${shm_free:-0}" -gt $((40 * 1024 * 1024)) ]; then export EXP_CACHE=${EXP_CACHE:-/dev/shm/exp-cache}; else export EXP_CACHE=${EXP_CACHE:-/tmp/exp-cache}; fi
+ALPACA=${EXP_ALPACA:-$ROOT/../shared/data/alpaca_en_demo.json}
+[ -f "$ALPACA" ] || ALPACA=$ROOT/shared/data/alpaca_en_demo.json
+
+log "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)'); EXP_CACHE=$EXP_CACHE"
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+python3 - <<'EOF'
+import importlib.metadata as md, platform, torch
+names = ["torch", "transformers", "peft", "bitsandbytes", "lightning", "liger-kernel", "triton", "hydra-core",
+         "datasets", "wandb"]
+def version(n):
+    try:
+        return md.version(n)
+    except md.PackageNotFoundError:
+        return "missing"
+print("python", platform.python_version(), "cuda", torch.version.cuda, *(f"{n} {version(n)}" for n in names))
+EOF
+
+status=0
+stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
+  local name=$1 limit=$2; shift 2
+  local var="STAGE_TIMEOUT_$name"
+  limit=${!var:-$limit}
+  log "stage $name: $* (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=20 "$limit" "$@"
+  local rc=$?
+  log "stage $name: exit $rc after $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+}
+bench() { python3 -m exp.bench --out-dir "$WORK/bench" "$@"; }
+
+run_stage() {
+  case $1 in
+    tests)
+      stage tests 420 bash -c "python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests 2>&1 | tee $WORK/pytest_gpu.txt" ;;
+    readme)
+      mkdir -p "$WORK/readme"
+      stage readme 480 bash -c "
+        set -x
+        python3 -m exp.doctor model=gemma_7b hardware=gpu > $WORK/readme/doctor.txt 2>&1; echo doctor exit \$?
+        python3 -m exp.train model=gemma_7b model.random_init=true hardware=gpu trainer.max_steps=20 > $WORK/readme/train_7b.txt 2>&1; echo train_7b exit \$?
+        python3 -m exp.train hardware=auto > $WORK/readme/train_auto.txt 2>&1; echo train_auto exit \$?
+        tail -12 $WORK/readme/*.txt
+        for d in outputs/*/*/; do cp \$d/summary.json $WORK/readme/summary-\$(basename \$d).json 2>/dev/null; done" ;;
+    bench2b)
+      stage bench2b 420 bench --model gemma_2b --memory-budget baseline --variant baseline --variant exp ;;
+    calibration)
+      stage calibration 420 python3 benchmarks/memory_calibration.py --models gemma_2b --grid 2048x2 2048x4 2048x8 \
+        --ckpt none --losses liger chunked --compile both --out "$WORK/memory_calibration_fast_path" ;;
+    bench7b)
+      stage bench7b 600 bench --memory-budget baseline --variant baseline --variant exp \
+        --variant "exp hardware.memory_budget_gib=null" ;;
+    real)
+      stage real 540 bench --data "$ALPACA" --seq 1024 --micro-batch 16 --steps 12 --warmup 2 \
+        --variant baseline --variant exp ;;
+    lean)
+      ref=$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)
+      if [ -n "$ref" ]; then
+        budget=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['is_reference']][0]; print(round(r['peak_memory_gib']/4, 2))" "$ref")
+        stage lean 300 bench --reference "$ref" --memory-budget "$budget" --variant exp
+      else
+        log "stage lean: no 7B headline result to take the baseline from (run bench7b first)"; status=1
+      fi ;;
+    capacity)
+      stage capacity 420 bench --micro-batch 64 128 --steps 6 --warmup 2 --variant exp ;;
+    bench512)
+      stage bench512 420 bench --seq 512 --micro-batch 32 --steps 12 --variant baseline --variant exp ;;
+    *) log "unknown stage $1"; status=1 ;;
+  esac
+}
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b real lean capacity bench512)
+for s in "${stages[@]}"; do run_stage "$s"; done
+
+cp -r "$WORK"/bench/*.md "$OUT"/ 2>/dev/null
+tar -czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+log "done: status $status; $OUT/log.txt, $OUT/results.tgz"
+exit $status
