@@ -80,7 +80,6 @@ run_stage() {
         set -x
         python3 -m exp.doctor model=gemma_7b hardware=gpu > $WORK/readme/doctor.txt 2>&1; echo doctor exit \$?
         python3 -m exp.train model=gemma_7b model.random_init=true hardware=gpu trainer.max_steps=20 > $WORK/readme/train_7b.txt 2>&1; echo train_7b exit \$?
-        python3 -m exp.train hardware=auto > $WORK/readme/train_auto.txt 2>&1; echo train_auto exit \$?
         tail -12 $WORK/readme/*.txt
         for d in outputs/*/*/; do cp \$d/summary.json $WORK/readme/summary-\$(basename \$d).json 2>/dev/null; done" ;;
     bench2b)

@@ -85,7 +85,9 @@ def test_lora_init_does_not_depend_on_the_default_device():
     from exp.model import build_model
 
     cfg = compose_typed(["hardware=gpu", "hardware.precision=bf16-mixed", "logger=csv"])
-    on_cpu = lora_fingerprint(build_model(compose_typed(["logger=csv"]), torch.device("cpu")))
+    # The same config on the CPU (bf16 too: PEFT rounds the adapters through the base's dtype before upcasting).
+    cpu_cfg = compose_typed(["hardware=gpu", "hardware.accelerator=cpu", "hardware.precision=bf16-mixed", "logger=csv"])
+    on_cpu = lora_fingerprint(build_model(cpu_cfg, torch.device("cpu")))
     with torch.device("cuda"):
         on_gpu = build_model(cfg, torch.device("cuda", torch.cuda.current_device()))
     assert {p.device.type for p in on_gpu.parameters() if p.requires_grad} == {"cuda"}

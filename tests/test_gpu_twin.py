@@ -53,6 +53,9 @@ def _batches(n: int = 6) -> list[torch.Tensor]:
 
 # The same checks on a GPU (pytest -m gpu): the CUDA fused kernel and CUDA autocast.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# CUDA's fused AdamW kernel rounds differently from the per-tensor ops of the reference (seen on an H200: up to
+# 2e-5 absolute on weights of ~0.1 after six steps), far below what clipping changes (> 1e-4, asserted).
+TOL = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-4, atol=5e-5)}
 
 
 def _fit(precision: str, fused: bool, clip: float | None, inf_at: int | None = None, device: str = "cpu") -> _Linear:
@@ -104,7 +107,7 @@ def test_fused_adamw_is_clipped_like_torchs_adamw(precision, device):
     # Lightning's own MixedPrecision refuses to clip a fused optimizer (RuntimeError "does not allow for gradient
     # clipping"); exp's plugin unscales it first and clips the true gradients.
     trained = _fit(precision, fused=True, clip=CLIP, device=device).layer.weight.detach().cpu()
-    torch.testing.assert_close(trained, _reference(precision, CLIP, device), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trained, _reference(precision, CLIP, device), **TOL[device])
     # Clipping is in effect: without it the same steps end elsewhere.
     assert not torch.allclose(trained, _reference(precision, None, device), atol=1e-4)
 
@@ -132,7 +135,7 @@ def test_fp16_scaler_skips_a_nonfinite_step_of_the_fused_optimizer(device):
     skipped = _fit("16-mixed", fused=True, clip=CLIP, inf_at=2, device=device)
     plain = _fit("16-mixed", fused=False, clip=CLIP, inf_at=2, device=device)
     # The fused kernel got the scaler's inf flag: the bad step changed nothing, exactly as for torch's AdamW.
-    torch.testing.assert_close(skipped.layer.weight, plain.layer.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(skipped.layer.weight, plain.layer.weight, **TOL[device])
     assert torch.isfinite(skipped.layer.weight).all()
     scaler = skipped.trainer.precision_plugin.scaler
     assert scaler.get_scale() < 2.0**16  # the initial scale was lowered after the inf step

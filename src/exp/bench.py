@@ -534,7 +534,7 @@ def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], pe
     row["peak_memory_gib"] = round(peak / 2**30, 2) if peak is not None else None
     # Real data has no fixed sequence length (attention FLOPs per token vary): no MFU.
     mfu_ok = peak_tflops and not settings.data_path
-    row["mfu"] = round(row["tokens_per_s"] * flops["per_token"] / (peak_tflops * 1e12), 4) if mfu_ok else None
+    row["mfu"] = round(row["tokens_per_s"] * flops["per_token"] / (peak_tflops * 1e12), 6) if mfu_ok else None
 
 
 def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: float = 0.02) -> None:
