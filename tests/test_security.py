@@ -201,6 +201,119 @@ def test_a_config_that_sweeps_by_itself_is_checked_as_a_sweep(tmp_path: Path, mo
     assert len(problems) == 1 and "hydra.callbacks.x._target_=os.system" in problems[0]
 
 
+# A `_target_` (or a logging `class` / `()`, an Optuna search-space function, an `ext://` import) is resolved as Hydra
+# resolves it and the object it names is checked: its defining module and its kind. Each row: the overrides, what
+# the message must name.
+HOSTILE = [
+    # Attribute paths through an allowed module reach anything that module imported.
+    (["+hydra.callbacks.x._target_=exp.train.os.symlink"], "exp.train.os is module os"),
+    (["+hydra.callbacks.x._target_=exp.train.os.system"], "exp.train.os is module os"),
+    (["+hydra.callbacks.x._target_=exp.security.importlib.import_module"], "is module importlib"),
+    (["+hydra.callbacks.x._target_=exp.train.sys.modules"], "is module sys"),
+    (["+hydra.callbacks.x._target_=exp.train.Path"], "defined in pathlib"),
+    (["+hydra.callbacks.x._target_=exp.security.Callback"], "defined in hydra.experimental.callback"),
+    (["+hydra.callbacks.x._target_=exp.launch.subprocess.Popen"], "is module subprocess"),
+    # exp's own functions are not callbacks (write_json would write any file it is given).
+    (["+hydra.callbacks.x._target_=exp.run_dir.write_json"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.__class__"], "defined in builtins"),
+    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.${oc.env:HOME}"], "may not be an interpolation"),
+    (["+hydra.callbacks.x._target_=builtins.eval"], "it would import module builtins"),
+    (["+hydra.callbacks.x._target_=exp..train"], "not a dotted Python name"),
+    (["+hydra.callbacks.x._target_=exp.no_such_module.X"], "cannot be imported"),
+    (["hydra.launcher._target_=hydra_plugins.exp_gpu_launcher.launcher.subprocess.Popen"], "is module subprocess"),
+    (["hydra.launcher._target_=hydra._internal.utils._locate"], "module hydra._internal.utils"),
+    (["hydra.sweeper._target_=exp.sweep.SweepStatus"], "it would import module exp;"),
+    (["+hydra.callbacks.x.inner._target_=exp.train.os.system"], "is module os"),  # nested: instantiated first
+    (["+model.arch._target_=os.system"], "it would import module os"),
+    # logging.config: handler classes and factories, ext:// imports, log files outside the run directory.
+    (["hydra.job_logging.handlers.console.class=logging.handlers.SocketHandler"], "not a logging handler"),
+    (["hydra.job_logging.handlers.console.class=logging.config.dictConfig"], "logging.config"),
+    (["+hydra.job_logging.root.class=logging.StreamHandler"], "only handlers, formatters and filters"),
+    (["hydra.job_logging.handlers.console.stream=ext://antigravity"], "ext://antigravity"),
+    (["hydra.job_logging.handlers.file.filename=/tmp/elsewhere.log"], "inside the run directory"),
+    (["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/../x.log"], "inside the run directory"),
+    (["hydra.job.name=../../outside"], "hydra.job.name=../../outside"),
+    # The Optuna sweeper calls a search-space function by name.
+    (
+        ["-m", "hydra/sweeper=optuna", "hydra.sweeper.custom_search_space=exp.train.os.system", "lora.r=4,8"],
+        "exp.train.os is module os",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), HOSTILE, ids=[" ".join(a)[:60] for a, _ in HOSTILE])
+def test_a_callable_is_checked_as_hydra_resolves_it(tmp_path, monkeypatch, argv: list[str], names: str):
+    monkeypatch.chdir(tmp_path)
+    problems, _ = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 1, problems
+    key = next(a for a in argv if "=" in a and not a.startswith(("-", "hydra/"))).split("=")[0].lstrip("+")
+    assert key.rsplit(".", 1)[0] in problems[0] and names in problems[0], problems[0]
+    assert "Nothing has been run" in problems[0] or "Fix:" in problems[0]
+
+
+def test_logging_factories_in_a_yaml_file_are_checked_like_targets(tmp_path, monkeypatch):
+    """`()` keys (factories) cannot be typed as overrides; an experiment file can set them."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "logs.yaml").write_text(
+        "# @package _global_\nhydra:\n  job_logging:\n    formatters:\n      simple:\n"
+        "        '()': exp.train.os.system\n    filters:\n      f:\n        '()': colorlog.escape_codes.sys.exit\n"
+        "  hydra_logging:\n    formatters:\n      simple:\n        '()': colorlog.ColoredFormatter\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config-dir", str(tmp_path / "conf"), "experiment=logs"]
+    problems, _ = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 2, problems  # colorlog's formatter is allowed
+    assert (
+        "hydra.job_logging.formatters.simple.()=exp.train.os.system" in problems[0]
+        and "import module exp" in problems[0]
+    )
+    assert "hydra.job_logging.filters.f.()=colorlog.escape_codes.sys.exit" in problems[1]
+
+
+def test_resolving_a_name_imports_nothing_outside_the_allowed_packages(tmp_path, monkeypatch):
+    """A module with side effects on import, named as a target, is never imported by the check."""
+    marker = tmp_path / "imported"
+    (tmp_path / "side_effect_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass X: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for value in ("side_effect_mod.X", "exp.train.side_effect_mod.X"):
+        problems, _ = check_command_line([f"+hydra.callbacks.x._target_={value}"], TRAIN_PY, str(CONF_DIR), "train")
+        assert len(problems) == 1
+    problems, _ = check_command_line(
+        ["hydra.job_logging.handlers.console.stream=ext://side_effect_mod.X"], TRAIN_PY, str(CONF_DIR), "train"
+    )
+    assert len(problems) == 1
+    assert not marker.exists()
+
+
+def test_an_attribute_path_through_exp_creates_nothing(tmp_path: Path):
+    """The example of a bypass by attribute path, through the real CLI: refused before Hydra runs it."""
+    source, link = tmp_path / "source.txt", tmp_path / "link"
+    source.write_text("x")
+    args = ["+hydra.callbacks.x._target_=exp.train.os.symlink", f"+hydra.callbacks.x.src={source}"]
+    proc = _cli(tmp_path, *args, f"+hydra.callbacks.x.dst={link}")
+    assert proc.returncode == 2 and "exp.train.os is module os" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not link.exists() and not link.is_symlink() and not (tmp_path / "outputs").exists()
+
+
+def test_the_allowed_callables_resolve_to_what_hydra_would_build():
+    from hydra._internal.utils import _locate
+
+    from exp.security import CALLBACK, HANDLER, LAUNCHER, SAMPLER, locate
+
+    for name, slot in [
+        ("exp.sweep.SweepStatus", CALLBACK),
+        ("exp.security.RunRecord", CALLBACK),
+        ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", LAUNCHER),
+        ("hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher", LAUNCHER),
+        ("optuna.samplers.TPESampler", SAMPLER),
+        ("logging.FileHandler", HANDLER),
+    ]:
+        assert locate(name, slot) is _locate(name)
+
+
 def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
     problems, _ = check_command_line(
