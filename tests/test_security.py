@@ -64,6 +64,8 @@ def secret_run(tmp_path_factory: pytest.TempPathFactory):
     env["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # a key but no server (nothing listens there): offline, at once
     overrides = [f"+hydra.job.env_set.{k}={v}" for k, v in OVERRIDE_SECRETS.items()]
     overrides.append("hydra.job.env_copy=[MY_SERVICE_PASSWORD]")  # Hydra copies the variable's value into its config
+    # A secret's value under a name that does not look secret: found by its value.
+    overrides.append(f"+hydra.job.env_set.INNOCENT_NAME={ENV_SECRETS['MY_SERVICE_PASSWORD']}")
     proc = _cli(launch, *RUN, *overrides, f"hydra.run.dir={run_dir}", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, launch, proc
@@ -99,7 +101,8 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
     run_dir, _, _ = secret_run
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     hydra = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
-    assert hydra.job.env_set == {"DB_PASSWORD": REDACTED, "HF_TOKEN": REDACTED, "MY_SERVICE_PASSWORD": REDACTED}
+    masked = {"DB_PASSWORD": REDACTED, "HF_TOKEN": REDACTED, "MY_SERVICE_PASSWORD": REDACTED}
+    assert hydra.job.env_set == {**masked, "INNOCENT_NAME": REDACTED}  # the last by its value
     assert f"+hydra.job.env_set.DB_PASSWORD={REDACTED}" in hydra.overrides.hydra
     assert list(hydra.overrides.task) == RUN
     assert OmegaConf.load(run_dir / ".hydra" / "config.yaml") == OmegaConf.load(run_dir / "config.yaml")
@@ -119,6 +122,45 @@ def test_a_sweep_writes_no_secret_anywhere(tmp_path: Path, launcher: str):
     assert (sweep / "multirun.yaml") in files and len(list(sweep.glob("*/.hydra/hydra.yaml"))) == 2
     assert [p for p in files if secret.encode() in p.read_bytes()] == []
     assert secret not in proc.stdout + proc.stderr
+
+
+# A secret's value reaching the training config or a directory name under a name that does not look secret.
+BY_VALUE = [
+    (
+        "logger.project=${oc.env:WANDB_API_KEY}",
+        "logger.project holds the value of the environment variable WANDB_API_KEY",
+    ),
+    (f"trainer.sample_prompts=[{ENV_SECRETS['HF_TOKEN']}]", "trainer.sample_prompts[0] holds the value of"),
+    ("logger.tags=[x${oc.env:MY_SERVICE_PASSWORD}]", "logger.tags[0] holds the value of the environment variable MY"),
+    ("hydra.run.dir=outputs/${oc.env:HF_TOKEN}", "hydra.run.dir holds the value of the environment variable HF_TOKEN"),
+    ("hydra.job.name=${oc.env:HF_TOKEN}", "hydra.job.name holds the value"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BY_VALUE, ids=[o.split("=")[0] for o, _ in BY_VALUE])
+def test_a_secret_value_under_an_innocent_name_is_refused(tmp_path, monkeypatch, override: str, message: str):
+    for name, value in ENV_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    problems, _ = check_command_line([override], TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 1 and message in problems[0], problems
+    assert not any(secret in problems[0] for secret in ENV_SECRETS.values())
+
+
+def test_a_secret_value_is_refused_by_the_cli_without_writing_or_printing_it(tmp_path: Path):
+    env = dict(os.environ, **ENV_SECRETS, OMP_NUM_THREADS="1")
+    proc = _cli(tmp_path, f"trainer.sample_prompts=[{ENV_SECRETS['HF_TOKEN']}]", env=env)
+    assert proc.returncode == 2 and "holds the value of the environment variable HF_TOKEN" in proc.stderr
+    assert ENV_SECRETS["HF_TOKEN"] not in proc.stdout + proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_typed_config_refuses_a_secret_value_too(monkeypatch):
+    """`exp.train.run` (no CLI check before it) composes through the same typed config."""
+    from exp.train import compose_config
+
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRETS["HF_TOKEN"])
+    with pytest.raises(ConfigError, match="logger.run_name holds the value of the environment variable HF_TOKEN"):
+        compose_config(["logger.run_name=${oc.env:HF_TOKEN}"])
 
 
 def test_redact_override():

@@ -157,6 +157,7 @@ def check_command_line(
         problems += target_problems(record)
         record.pop("hydra")
         problems += unknown_keys(record)
+        problems += _secret_value_problems(cfg, record)
     key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
     run_dir = _resolved(configs[0], key)
     if run_dir is not None:
@@ -228,6 +229,28 @@ def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mod
                 continue
             configs += [compose([*others, f"{prefix}={choice}"]) for choice in choices]
     return configs
+
+
+# Hydra settings whose resolved values become directory and file names (and so reach every record of the run).
+NAMED_BY_HYDRA = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.job.name")
+
+
+def _secret_value_problems(cfg: Any, record: dict[str, Any]) -> list[str]:
+    """Keys whose resolved value is a secret environment variable's: of the training config, and of the Hydra
+    settings that name the run's directories and files."""
+    from exp.tracking import secret_value_problems
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(record), resolve=True)
+    except Exception:  # noqa: BLE001 (an interpolation only Hydra can resolve: the typed config checks it again)
+        resolved = record
+    named = {}
+    for key in NAMED_BY_HYDRA:
+        try:
+            named[key] = OmegaConf.select(cfg, key)
+        except Exception:  # noqa: BLE001 (${hydra:...}: resolvable only once Hydra runs the job)
+            continue
+    return secret_value_problems(resolved) + secret_value_problems(named, "the run directory's name")
 
 
 def _resolved(cfg: Any, key: str) -> Path | None:

@@ -24,7 +24,9 @@ def write_json(path: Path, data: Any) -> None:
 def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
     record: dict[str, Any] = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if error:
-        record["error"] = error
+        from exp.tracking import mask_secrets
+
+        record["error"] = mask_secrets(error)
     if launch := os.environ.get(LAUNCH_ID_ENV):
         record["launch"] = launch
     write_json(run_dir / STATUS_FILE, record)

@@ -200,7 +200,11 @@ def print_summary(s: dict, output_dir: Path) -> None:
 
 
 def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
+    from exp.tracking import secret_value_problems
+
     cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
+    if problems := secret_value_problems(config_dict(cfg)):
+        raise ConfigError("\n".join(problems))
     return resolve_paths(cfg, launch_dir)
 
 
@@ -288,15 +292,17 @@ def main(dcfg: DictConfig) -> float:
 def exit_on_known_error(e: BaseException) -> None:
     """Bad input, a fault during training or a preemption: print its message (no traceback) and exit with its
     status (2: configuration, 1: training fault, 75: preempted, requeue). Anything else returns (and is raised)."""
+    from exp.tracking import mask_secrets
+
     if isinstance(e, ConfigError):
-        print(f"exp: error: {e}", file=sys.stderr)
+        print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(2)
     # Imported only now: a configuration error should not pay for importing torch and Lightning.
     from exp.faults import TrainingFault
     from exp.preemption import REQUEUE_EXIT, Preempted
 
     if isinstance(e, TrainingFault):
-        print(f"exp: error: {e}", file=sys.stderr)
+        print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(1)
     if isinstance(e, Preempted):
         print(f"exp: {e}", file=sys.stderr)
@@ -389,7 +395,9 @@ def cli() -> None:
     # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
     problems, sys.argv[1:] = check_command_line(argv, __file__, str(CONF_DIR), "train", launch)
     if problems:
-        print("exp: error: " + "\n".join(problems), file=sys.stderr)
+        from exp.tracking import mask_secrets
+
+        print("exp: error: " + mask_secrets("\n".join(problems)), file=sys.stderr)
         sys.exit(2)
     if launch:
         from exp.launch import end_rank
