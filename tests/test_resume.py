@@ -199,7 +199,7 @@ def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"
-    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    io.save_checkpoint({"step": 1, "state_dict": {"w": torch.ones(3)}, "exp": {}}, path)
 
     def dies_mid_write(obj, f):
         f.write(b"PK\x03\x04 half a zip file")
@@ -207,7 +207,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
     monkeypatch.setattr(torch, "save", dies_mid_write)
     with pytest.raises(OSError):
-        io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+        io.save_checkpoint({"step": 2, "state_dict": {"w": torch.zeros(3)}, "exp": {}}, path)
     assert io.load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left behind
 

@@ -20,6 +20,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from exp.cache_entries import ensure_entry
 from exp.config import BadRows, ConfigError, DataConfig, DataFormat
 from exp.data_files import READERS, diagnose, list_files
 from exp.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
@@ -217,9 +218,10 @@ def encoding_fingerprint(cfg: DataConfig, source: Source, tokenizer_fp: str) -> 
 
 
 def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):
-    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized by an explicit fingerprint.
+    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized/<fingerprint>/ (an entry of
+    `exp.cache_entries`: verified on use, rebuilt when damaged).
 
-    A second run with the same source, tokenizer and encoding fields reads the cache file and calls no encoder.
+    A second run with the same source, tokenizer and encoding fields reads the cache entry and calls no encoder.
     """
     ds = source.rows
     if len(ds) == 0:
@@ -232,17 +234,25 @@ def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp:
             f"{cfg.format.value}); the data has columns {ds.column_names}. Map yours with e.g. {fixes}, or pick "
             "the data.format that matches the file."
         )
+    import datasets
+
     fp = encoding_fingerprint(cfg, source, tokenizer_fp)
-    return ds.map(
-        _encode_row,
-        fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
-        remove_columns=ds.column_names,
-        num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
-        cache_file_name=str(_cache("tokenized") / f"{fp}.arrow"),
-        load_from_cache_file=True,
-        new_fingerprint=fp,
-        desc=f"tokenising {source.name}",
-    )
+
+    def build(tmp: Path) -> None:
+        ds.map(
+            _encode_row,
+            fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
+            remove_columns=ds.column_names,
+            num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
+            cache_file_name=str(tmp / "rows.arrow"),  # one file per process with num_proc: rows_0000N_of_0000M
+            load_from_cache_file=False,
+            new_fingerprint=fp,
+            desc=f"tokenising {source.name}",
+        )
+
+    entry = ensure_entry(_cache("tokenized") / fp, build, f"tokenisation of {source.name}")
+    shards = sorted(entry.glob("rows*.arrow"))
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in shards])
 
 
 def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from exp.cache_entries import ensure_entry
 from exp.config import ConfigError, ModelFamily
 
 # Gemma's special-token ids (pad 0, eos 1, bos 2, unk 3); the turn markers follow.
@@ -97,17 +96,14 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
     """Return a cached checkpoint dir holding `arch` with random weights drawn from `seed` (built on first use).
 
     `arch` without `vocab_size` gets the local tokenizer's vocabulary (the tiny default); with one, the table has
-    that size and the local tokenizer uses its first ids. Writes go to a temporary directory renamed into place,
-    so a killed build or two concurrent builders never leave a half-written entry.
+    that size and the local tokenizer uses its first ids. The entry is built in a temporary directory renamed into
+    place and verified on every use (`exp.cache_entries`): a killed build, two concurrent builders or a damaged file
+    never leave an entry that loads wrong.
     """
     key = json.dumps({"family": family.value, "arch": arch, "seed": seed, "v": BUILD_VERSION}, sort_keys=True)
     name = f"{family.value}-random-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    target = cache_dir() / "models" / name
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         tokenizer = build_tokenizer(tmp)
         fields = dict(arch)
         fields.setdefault("vocab_size", len(tokenizer))
@@ -158,11 +154,7 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         del model
         if build_device == "cuda":
             torch.cuda.empty_cache()
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first: keep its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return ensure_entry(
+        cache_dir() / "models" / name, build, f"model.random_init checkpoint of model.arch (seed {seed})"
+    )

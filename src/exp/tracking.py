@@ -208,7 +208,9 @@ def _sha256_files(paths: list[Path]) -> str:
     h = hashlib.sha256()
     for p in sorted(paths):
         h.update(p.name.encode())
-        h.update(p.read_bytes())
+        with open(p, "rb") as f:  # in chunks: a data file may be larger than memory
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
     return h.hexdigest()
 
 
