@@ -181,7 +181,7 @@ def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
     from exp.train import compose_config, config_dict
 
     cfg = config_dict(compose_config(["trainer.resume=auto"]))
-    assert find_auto(cfg, tmp_path / "outputs" / "d" / "t", tmp_path) is None
+    assert find_auto(cfg, tmp_path / "outputs" / "d" / "t") is None
 
 
 def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):

@@ -381,16 +381,26 @@ def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatc
 def test_the_project_configs_pass_the_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]):
     monkeypatch.chdir(tmp_path)
     problems, passed = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
-    assert problems == [] and passed == argv
+    assert problems == [] and passed[: len(argv)] == argv
+    if "-m" not in argv:  # a single run's directory is pinned, to be claimed before Hydra writes into it
+        assert len(passed) == len(argv) + 1 and passed[-1].startswith('hydra.run.dir="outputs/')
 
 
 def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from exp.run_dir import release_runs
+    from exp.train import claim_pinned_run_dir
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "status.json").write_text('{"status": "completed"}')
     problems, argv = check_command_line(["lora.r=16", "hydra.run.dir=done"], TRAIN_PY, str(CONF_DIR), "train")
-    assert problems == [] and argv == ["lora.r=16", 'hydra.run.dir="done_1"']
-    assert "done already holds a run" in capsys.readouterr().err
+    assert problems == [] and argv == ["lora.r=16", 'hydra.run.dir="done"']
+    try:
+        assert claim_pinned_run_dir(argv) == ["lora.r=16", 'hydra.run.dir="done_1"']
+    finally:
+        release_runs()
+    assert "done already holds a run; this one goes to done_1" in capsys.readouterr().err
+    assert json.loads((tmp_path / "done_1" / "status.json").read_text())["status"] == "running"
 
 
 # --- remote code, weights and checkpoints ------------------------------------------------------------------------

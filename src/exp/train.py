@@ -22,7 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from exp.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.overrides import check_cli_overrides, check_command_line
-from exp.run_dir import LAUNCH_ID_ENV, claim_run_dir, new_run_dir, shared_launch_id, write_json, write_status
+from exp.run_dir import (
+    LAUNCH_ID_ENV,
+    RESUME_RECORD,
+    claim_run_dir,
+    lock_run,
+    new_run_dir,
+    release_run,
+    release_runs,
+    shared_launch_id,
+    write_json,
+    write_status,
+)
 
 log = logging.getLogger("exp.train")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -144,9 +155,6 @@ def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | 
 
     found = candidates(output_dir)
     return str(found[0]) if found else (str(resumed_from) if resumed_from else None)
-
-
-RESUME_RECORD = "resume.json"
 
 
 def read_resume_record(run_dir: Path) -> dict | None:
@@ -276,7 +284,10 @@ def main(dcfg: DictConfig) -> float:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
     output_dir = Path(hydra_cfg.runtime.output_dir)
     # The ranks of a torchrun / SLURM launch share their run directory (checked by `cli`); one process claims its own.
-    output_dir = output_dir if os.environ.get(LAUNCH_ID_ENV) else claim_run_dir(output_dir)
+    if os.environ.get(LAUNCH_ID_ENV):
+        lock_run(output_dir)  # rank 0 holds the launch's lock: the run is in use while it runs
+    else:
+        output_dir = claim_run_dir(output_dir)  # claimed by `cli` already, unless main is called another way
     launch_dir = Path(hydra.utils.get_original_cwd())
     try:
         cfg = to_typed(dcfg, launch_dir)
@@ -330,6 +341,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
         cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
     except ConfigError as e:
         write_status(run_dir, "failed", error=str(e))
+        release_run(run_dir)
         log.error("sweep: %s failed: %s", run_dir.name, e)
         return float("inf")
     # W&B: one run per job, named by its overrides, grouped by the sweep.
@@ -337,7 +349,10 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     cfg.logger.group = cfg.logger.group or Path(hydra_cfg.sweep.dir).name
     write_run_config(cfg, run_dir)
     write_status(run_dir, "running")
-    rc = run_job_process(run_dir)
+    try:
+        rc = run_job_process(run_dir)
+    finally:
+        release_run(run_dir)
     status = read_status(run_dir)
     if rc != 0 or status.get("status") != "completed":
         if status.get("status") != "failed":  # killed before it could say why
@@ -373,7 +388,10 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
     cfg = compose_config(list(overrides or []))
     out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
-    return execute(cfg, out, Path.cwd())
+    try:
+        return execute(cfg, out, Path.cwd())
+    finally:
+        release_runs()  # the run directory and any run it continued: free for the next call
 
 
 def cli() -> None:
@@ -403,7 +421,27 @@ def cli() -> None:
         from exp.launch import end_rank
 
         end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
+    sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
     main()
+
+
+def claim_pinned_run_dir(argv: list[str]) -> list[str]:
+    """Claim the run directory `check_command_line` pinned (a sweep pins none) before Hydra writes into it: a
+    directory holding a run, or being claimed by a launch started at the same moment, gives way to `<dir>_N`."""
+    from exp.overrides import with_run_dir
+
+    pinned = [a for a in argv if a.startswith('hydra.run.dir="')]
+    if not pinned:
+        return argv
+    wanted = Path(pinned[-1].split("=", 1)[1][1:-1].replace('\\"', '"').replace("\\\\", "\\"))
+    try:
+        claimed = claim_run_dir(wanted)
+    except ConfigError as e:
+        print(f"exp: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if claimed != wanted:
+        print(f"exp: {wanted} already holds a run; this one goes to {claimed}", file=sys.stderr)
+    return with_run_dir(argv, claimed)
 
 
 if __name__ == "__main__":
