@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from exp.checkpoints import AtomicCheckpointIO, candidates
-from exp.preemption import REQUEUE_EXIT
+from exp.signals import REQUEUE_EXIT
 
 # 60 steps, a checkpoint every 10: long enough to interrupt after step 20 and have most of the run left.
 RUN = [

@@ -124,7 +124,9 @@ def claim_run_dir(path: Path) -> Path:
                 f"run directory {candidate} cannot be created ({e.strerror or e}). Pass a directory you can write, "
                 "e.g. hydra.run.dir=<a writable path> (or run from a writable directory)."
             ) from None
-        if lock_run(candidate):
+        # A run's directory is left as it is (no lock file added); a free one is locked, then checked again: another
+        # process may have claimed it and written its status in between.
+        if not (candidate / STATUS_FILE).exists() and lock_run(candidate):
             if not (candidate / STATUS_FILE).exists():
                 write_status(candidate, "running")
                 return candidate

@@ -11,6 +11,7 @@ import glob
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -63,22 +64,28 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
+    from exp.signals import GUARD, Preempted
     from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
     from exp.trainer import build_trainer
 
     quiet_third_party_logs()
     started = time.time()
     config = config_dict(cfg)
-    if manage_run_dir:
-        write_run_config(cfg, output_dir)
-        write_status(output_dir, "running")
+    with GUARD.shielded():
+        if manage_run_dir:
+            write_run_config(cfg, output_dir)
+            write_status(output_dir, "running")
     resume = read_resume_record(output_dir)
     loggers: list = []
     ok = preempted = False
     try:
+        GUARD.stop_now()  # a signal that arrived while the run was being recorded
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+        GUARD.phase = "model build"
         tokenizer = build_tokenizer(cfg.model)
+        GUARD.phase = "data preparation"
         datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
+        GUARD.phase = "start-up"
         module = QLoRAModule(cfg)
         checkpoint = Path(resume["checkpoint"]) if resume else None
         if resume:
@@ -100,6 +107,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
             from exp.faults import oom_diagnosis
 
             raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
+        GUARD.phase = "saving the results"
         adapter_dir = output_dir / "adapter"
         result = TrainResult(
             output_dir,
@@ -111,42 +119,55 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         )
         replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
         placements = module.gather_placements()
-        save_adapter(module, trainer, adapter_dir)
-        if trainer.is_global_zero:
-            tokenizer.save_pretrained(adapter_dir)
-            summary = {
-                "steps": trainer.global_step,
-                "seconds": round(time.time() - started, 1),
-                "initial_val": result.initial_val,
-                "final_val": result.final_val,
-                "chance_token_accuracy": result.chance_token_accuracy,
-                **module.throughput_summary(),
-                "device": str(module.device),
-                "world_size": trainer.world_size,
-                "replica_adapter_checksums": replicas_agree,
-                "placement_per_rank": placements,
-                "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
-                "skipped_steps": module.skipped_steps,
-                "resumed_from": resume,
-                "data": datamodule.stats,
-            }
-            write_json(output_dir / "summary.json", summary)
-            print_summary(summary, output_dir)
-            if cfg.logger.log_adapter:
-                log_adapter_artifact(loggers, adapter_dir, run_name)
-        ok = True
+        GUARD.stop_now()  # the last moment to stop: from here the run finishes (seconds) whatever arrives
+        # The results are written whole: a signal from here on is noted, and the run completes first.
+        with GUARD.shielded():
+            save_adapter(module, trainer, adapter_dir, tokenizer)
+            if trainer.is_global_zero:
+                summary = {
+                    "steps": trainer.global_step,
+                    "seconds": round(time.time() - started, 1),
+                    "initial_val": result.initial_val,
+                    "final_val": result.final_val,
+                    "chance_token_accuracy": result.chance_token_accuracy,
+                    **module.throughput_summary(),
+                    "device": str(module.device),
+                    "world_size": trainer.world_size,
+                    "replica_adapter_checksums": replicas_agree,
+                    "placement_per_rank": placements,
+                    "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
+                    "skipped_steps": module.skipped_steps,
+                    "resumed_from": resume,
+                    "data": datamodule.stats,
+                }
+                write_json(output_dir / "summary.json", summary)
+                print_summary(summary, output_dir)
+                if cfg.logger.log_adapter:
+                    log_adapter_artifact(loggers, adapter_dir, run_name)
+            ok = True
         return result
     except BaseException as e:
-        from exp.preemption import Preempted
-
-        preempted = isinstance(e, Preempted)
-        if manage_run_dir:
-            write_status(output_dir, "preempted" if preempted else "failed", error=f"{type(e).__name__}: {e}")
+        with GUARD.shielded():
+            preempted = isinstance(e, Preempted)
+            if preempted and e.checkpoint is None:  # stopped outside the training loop: name where to go on from
+                e.checkpoint = newest_checkpoint(output_dir, resume)
+            if manage_run_dir:
+                write_status(output_dir, "preempted" if preempted else "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
-        finish_loggers(loggers, ok, preempted)
-        if ok and manage_run_dir:
-            write_status(output_dir, "completed")
+        with GUARD.shielded():
+            finish_loggers(loggers, ok, preempted)
+            if ok and manage_run_dir:
+                write_status(output_dir, "completed")
+        if ok and GUARD.received is not None and not GUARD.acted:
+            name = signal.Signals(GUARD.received).name
+            print(f"exp: {name} arrived while the results were being saved; the run completed first", flush=True)
+
+
+def newest_checkpoint(output_dir: Path, resume: dict | None) -> Path | None:
+    """Where a run stopped outside its training loop goes on from: its newest checkpoint, or the one it continued."""
+    found = _last_good_checkpoint(output_dir, Path(resume["checkpoint"]) if resume else None)
+    return Path(found) if found else None
 
 
 def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | None:
@@ -176,19 +197,30 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     return OmegaConf.to_object(merged)
 
 
-def save_adapter(module, trainer, adapter_dir: Path) -> None:
-    """Write the adapter in PEFT's format from rank 0; under FSDP every rank takes part in gathering it first."""
+def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
+    """Write the adapter in PEFT's format (and the tokenizer) from rank 0; under FSDP every rank takes part in
+    gathering it first. Written into a temporary directory renamed into place: `adapter/` is whole or absent."""
+    import shutil
+
     from exp.config import Strategy
 
+    tmp = adapter_dir.with_name(f".{adapter_dir.name}.{os.getpid()}.partial")
     if module.cfg.hardware.strategy == Strategy.fsdp:
         from exp.fsdp import gather_trainable, save_peft_adapter
 
         full = gather_trainable(trainer.strategy.model, module)
         if trainer.is_global_zero:
-            save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, adapter_dir)
+            save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)
+    elif trainer.is_global_zero:
+        module.model.save_pretrained(tmp)  # adapter_config.json + safetensors
+    if not trainer.is_global_zero:
         return
-    if trainer.is_global_zero:
-        module.model.save_pretrained(adapter_dir)  # adapter_config.json + safetensors
+    try:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, adapter_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def print_summary(s: dict, output_dir: Path) -> None:
@@ -234,8 +266,8 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
 def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
     """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
     from exp.launch import close_process_group, launch_workers, needs_launch
-    from exp.preemption import REQUEUE_EXIT
     from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+    from exp.signals import REQUEUE_EXIT
 
     check = run_preflight(cfg)
     for note in check.notes:
@@ -258,7 +290,11 @@ def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) 
     rc = launch_workers(cfg, output_dir)
     summary_path = output_dir / "summary.json"
     if rc == REQUEUE_EXIT:
-        write_status(output_dir, "preempted", error="stopped by a signal; checkpoint in checkpoints/last.ckpt")
+        checkpoint = newest_checkpoint(output_dir, read_resume_record(output_dir))
+        where = f"checkpoint {checkpoint}" if checkpoint else "before any checkpoint: nothing to resume"
+        write_status(
+            output_dir, "preempted", error=f"Preempted: the worker processes were stopped by a signal; {where}"
+        )
         sys.exit(rc)
     if rc != 0 or not summary_path.exists():
         write_status(output_dir, "failed", error=f"a worker process exited with status {rc}")
@@ -293,11 +329,24 @@ def main(dcfg: DictConfig) -> float:
         cfg = to_typed(dcfg, launch_dir)
         result = execute(cfg, output_dir, launch_dir)
     except BaseException as e:
-        if isinstance(e, ConfigError):
-            write_status(output_dir, "failed", error=str(e))
+        record_stop(output_dir, e)
         exit_on_known_error(e)
         raise
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def record_stop(run_dir: Path, e: BaseException) -> None:
+    """The status of a run that stopped outside `train` (which records its own): a bad config, or a signal during
+    start-up or the preflight."""
+    from exp.run_dir import read_status
+    from exp.signals import GUARD, Preempted
+
+    with GUARD.shielded():
+        if isinstance(e, ConfigError):
+            write_status(run_dir, "failed", error=str(e))
+        elif isinstance(e, Preempted) and read_status(run_dir).get("status") != "preempted":
+            e.checkpoint = e.checkpoint or newest_checkpoint(run_dir, read_resume_record(run_dir))
+            write_status(run_dir, "preempted", error=f"Preempted: {e}")
 
 
 def exit_on_known_error(e: BaseException) -> None:
@@ -310,7 +359,7 @@ def exit_on_known_error(e: BaseException) -> None:
         sys.exit(2)
     # Imported only now: a configuration error should not pay for importing torch and Lightning.
     from exp.faults import TrainingFault
-    from exp.preemption import REQUEUE_EXIT, Preempted
+    from exp.signals import REQUEUE_EXIT, Preempted
 
     if isinstance(e, TrainingFault):
         print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
@@ -328,6 +377,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     """
     from exp.launch import run_job_process
     from exp.run_dir import read_status
+    from exp.signals import GUARD, REQUEUE_EXIT, Preempted
 
     hydra_cfg = HydraConfig.get()
     # A job retried in an earlier launch (`<job>_1`, ...: failed, or preempted and resumed) may have completed there.
@@ -354,6 +404,10 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     finally:
         release_run(run_dir)
     status = read_status(run_dir)
+    if rc == REQUEUE_EXIT and status.get("status") == "preempted":
+        # The signal that stopped the job stops the sweep: re-launching it skips the completed jobs.
+        checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
+        raise Preempted(GUARD.received or signal.SIGTERM, checkpoint=checkpoint, phase=f"sweep job {run_dir.name}")
     if rc != 0 or status.get("status") != "completed":
         if status.get("status") != "failed":  # killed before it could say why
             write_status(run_dir, "failed", error=f"the job process exited with status {rc}")
@@ -387,14 +441,36 @@ def compose_config(overrides: list[str], launch_dir: Path | None = None) -> Trai
 def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
     cfg = compose_config(list(overrides or []))
-    out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
-    try:
-        return execute(cfg, out, Path.cwd())
-    finally:
-        release_runs()  # the run directory and any run it continued: free for the next call
+    from exp.signals import guarded
+
+    with guarded():
+        out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
+        try:
+            return execute(cfg, out, Path.cwd())
+        except BaseException as e:
+            record_stop(out, e)
+            raise
+        finally:
+            release_runs()  # the run directory and any run it continued: free for the next call
 
 
 def cli() -> None:
+    from exp.signals import GUARD, REQUEUE_EXIT, Preempted
+
+    GUARD.install()  # from the first moment: a signal never kills a run without a word and a true status.json
+    try:
+        _cli()
+    except Preempted as e:  # before Hydra ran `main` (which handles its own)
+        claimed = [Path(a.split("=", 1)[1][1:-1]) for a in sys.argv[1:] if a.startswith('hydra.run.dir="')]
+        if claimed and (claimed[-1] / "status.json").exists():
+            record_stop(claimed[-1], e)
+        else:
+            e.phase = "start-up, before a run directory was made (nothing was written)"
+        print(f"exp: {e}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT)
+
+
+def _cli() -> None:
     argv = sys.argv[1:]
     launch = shared_launch_id() if not {"-m", "--multirun"} & set(argv) else None
     if launch is not None:
