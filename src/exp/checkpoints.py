@@ -74,25 +74,51 @@ def load_checkpoint_file(path: Path | str) -> dict[str, Any]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file in the same directory, fsync, then rename over the target.
+    """Write to a temporary file in the same directory, fsync, then rename over the target; show it once the
+    step's metrics are on disk.
 
     A kill (or a full disk) during a save leaves the previous checkpoint of that name intact: a reader sees the old
-    file or the new one, never half of one. Reads use `weights_only=True`.
+    file or the new one, never half of one. Reads use `weights_only=True` and check the content hash.
+
+    Lightning writes a step's checkpoints before it hands that step's metrics to the loggers: a run killed in
+    between would have a checkpoint of step N and no CSV row for it, and its continuation starts after step N, so
+    the row would be missing from both. The renames (and the removals of checkpoints they replace) therefore wait,
+    in order, until `commit()`, which `exp.preemption.PreemptionCheckpoint` calls when the next step starts (the
+    loggers have written the row by then), before a validation, and when training ends or fails.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[Path, Path | None]] = []  # (temporary file, target) or (checkpoint to remove, None)
+        self.saves = 0
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")  # per process: never two writers on one file
+        self.saves += 1  # per process and per save: never two writers on one file
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{self.saves}.partial")
         checkpoint = {**checkpoint, CONTENT_HASH: content_hash(checkpoint)}
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
+            raise
+        self.pending.append((tmp, path))
+
+    def remove_checkpoint(self, path) -> None:
+        self.pending.append((Path(path), None))
+
+    def commit(self) -> None:
+        """Make the checkpoints saved so far visible (and remove those they replace), in the order of the saves."""
+        while self.pending:
+            source, target = self.pending.pop(0)
+            if target is None:
+                source.unlink(missing_ok=True)
+            else:
+                os.replace(source, target)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = True) -> dict[str, Any]:
         try:

@@ -39,15 +39,9 @@ class PreemptionCheckpoint(Callback):
         GUARD.install()
         GUARD.phase = "the step-0 validation"
 
-    def on_validation_start(self, trainer, pl_module) -> None:
-        GUARD.install()
-
     def on_train_start(self, trainer, pl_module) -> None:
         GUARD.install()
         GUARD.phase, GUARD.training = "training", True
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        GUARD.training = False
 
     def _agreed_signal(self, trainer, pl_module) -> int:
         """The signal any rank received (0: none); every data-parallel rank must stop at the same step."""
@@ -71,7 +65,26 @@ class PreemptionCheckpoint(Callback):
         if signum := self._agreed_signal(trainer, pl_module):
             self._checkpoint(trainer, signum)
 
+    @staticmethod
+    def _commit(trainer) -> None:
+        """Show the checkpoints saved so far (exp.checkpoints.AtomicCheckpointIO): their steps' metrics are logged."""
+        commit = getattr(trainer.strategy.checkpoint_io, "commit", None)
+        if commit is not None:
+            commit()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        GUARD.install()
+        self._commit(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        GUARD.training = False
+        self._commit(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._commit(trainer)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._commit(trainer)
         # Stop before the next step starts, once step N's metrics have gone to the loggers.
         if self.stopping:
             GUARD.acted = True
@@ -84,6 +97,7 @@ class PreemptionCheckpoint(Callback):
             self._checkpoint(trainer, signum)  # received during the last step, after its boundary
         elif self.stopping is None and trainer.global_step % self.every:
             trainer.save_checkpoint(self.output_dir / CHECKPOINT_DIR / LAST)  # the final step, for a resume
+        self._commit(trainer)
         if self.stopping is not None:
             GUARD.acted = True
             raise self.stopping

@@ -108,8 +108,8 @@ def locate(path: Any, slot: Slot) -> Any:
         else:
             raise Refused(f"{'.'.join(parts[:i])} has no attribute {parts[i]}")
         if isinstance(obj, types.ModuleType) and not _on_the_way(obj.__name__, slot.modules):
-            alias = "" if dotted == obj.__name__ else f"{dotted} is "
-            raise Refused(f"{alias}module {obj.__name__} is on the way, outside the allowed packages")
+            step = "it reaches" if dotted == obj.__name__ else f"{dotted} is"
+            raise Refused(f"{step} module {obj.__name__}, outside the allowed packages")
     return _checked(obj, slot)
 
 
