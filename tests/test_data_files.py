@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,12 @@ BAD = [
         {"a.csv": csv_text().encode(), "b.csv": b"prompt,completion\np,c\n"},
         "the files have different columns",
         "keep files with the same columns together",
+    ),
+    (
+        "one-json-object",
+        {"d.json": json.dumps({"data": ROWS}, indent=2).encode()},
+        "holds one JSON object, not rows (the rows may be its 'data' list",
+        "a JSON array of objects, or JSONL",
     ),
     ("all-empty", {"a.jsonl": b"", "b.jsonl": b"\n  \n"}, "the data is empty (a.jsonl, b.jsonl)", "point data.path"),
     ("mixed-types", {"a.jsonl": jsonl().encode(), "b.csv": csv_text().encode()}, "mixes file types", "one type"),
@@ -154,3 +161,10 @@ def test_the_diagnosis_names_a_type_change_by_line(tmp_path):
         f"data.path: {path}: line 4: column 'instruction' is an object, where earlier rows have a string; a column "
         "holds one type (text fields: strings)"
     )
+
+
+def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path):
+    fifo = tmp_path / "d.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"not a regular file or a directory \(a pipe, a socket or a device\)"):
+        load_examples(compose_typed(["data=alpaca", f"data.path={fifo}"]).data)

@@ -65,7 +65,9 @@ def test_a_checkpoint_without_a_hash_is_not_trusted(tmp_path):
     torch.save({"state_dict": {"w": torch.ones(2)}, "exp": {}, "global_step": 3}, path)
     with pytest.raises(ValueError, match="carries no content hash"):
         read_checkpoint(path)
-    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "exp": {}, "global_step": 3}, path)
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "exp": {}, "global_step": 3}, path)
+    io.commit()
     assert read_checkpoint(path)["global_step"] == 3
 
 

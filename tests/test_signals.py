@@ -67,7 +67,7 @@ BEFORE_TRAINING = [
     ("hydra-start", signal.SIGTERM, "during start-up"),
     ("data", signal.SIGINT, "during data preparation"),  # Ctrl-C: preempted too, not a failure
     ("tokenising", signal.SIGTERM, "during data preparation"),
-    ("model", signal.SIGUSR1, "during model build"),
+    ("model", signal.SIGHUP, "during model build"),  # a closed terminal
     ("step-0-validation", signal.SIGTERM, "during the step-0 validation"),
 ]
 
@@ -148,3 +148,29 @@ def test_a_signal_while_the_results_are_saved_lets_the_run_complete(tmp_path):
     assert status(tmp_path / "run")["status"] == "completed"
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
     assert not list((tmp_path / "run").glob(".adapter*"))  # written to a temporary directory, renamed into place
+
+
+def test_a_failure_after_a_signal_is_a_preemption(tmp_path, monkeypatch):
+    """A signal sent to the whole process group also ends the DataLoader workers, and the next batch fails: the run
+    is marked preempted (the signal stopped it), not failed."""
+    from conftest import SHORT
+
+    from exp.module import QLoRAModule
+    from exp.signals import GUARD, Preempted
+    from exp.train import run
+
+    real = QLoRAModule.training_step
+
+    def worker_killed(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            GUARD.received = signal.SIGTERM  # as the handler notes it during training
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated.")
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(QLoRAModule, "training_step", worker_killed)
+    with pytest.raises(Preempted) as info:
+        run([*SHORT, "trainer.max_steps=5"], output_dir=tmp_path / "run")
+    assert "stopped by SIGTERM at step" not in str(info.value) and "during training" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    record = status(tmp_path / "run")
+    assert record["status"] == "preempted" and "before any checkpoint" in record["error"]

@@ -86,6 +86,8 @@ REFUSED = [
     ("model.arch.num_attention_heads=0", "model.arch.num_attention_heads=0: must be a whole number", None),
     ("model.arch.head_dim=3", "model.arch.head_dim=3: must be even", None),
     ("model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=4 is not a multiple of", None),
+    ("model.attn_implementation=flash_attention_3", "allowed values are sdpa, eager, flash_attention_2", None),
+    ("model.attn_implementation=flash_attention_2", "flash_attention_2 on the CPU: FlashAttention is a CUDA", None),
     ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1: must be >= 0", None),
     ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=-1: must be >= 0", None),
 ]

@@ -320,6 +320,16 @@ def _validate(cfg: TrainConfig) -> list[str]:
     p += _secret_keys("model.arch", m.arch)
     if m.random_init:
         p += arch_problems(m)
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation}: allowed values are {', '.join(ATTN_IMPLEMENTATIONS)} "
+            "(what transformers and exp's memory estimate support), e.g. model.attn_implementation=sdpa"
+        )
+    elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation} on the CPU: FlashAttention is a CUDA kernel; use "
+            "e.g. model.attn_implementation=sdpa (or eager)"
+        )
     if lo.r <= 0:
         p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
     if lo.alpha <= 0:
@@ -495,6 +505,8 @@ def library_range_problems(cfg: TrainConfig) -> list[str]:
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 
+# Attention kernels a model may be loaded with (transformers' names; exp.memory estimates each).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 # Sizes of a random-weight architecture (model.arch) that transformers would take and then fail on with a bare
 # tensor-shape error, or build into a model that cannot train.
 ARCH_SIZES = (

@@ -40,6 +40,11 @@ def list_files(path_str: str, key: str) -> list[Path]:
             f"{key}={path_str}: no such file or directory. Relative paths are resolved against the directory "
             "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
         )
+    if not (path.is_dir() or path.is_file()):  # a FIFO or a device would block the reader, or never end
+        raise ConfigError(
+            f"{key}={path_str}: not a regular file or a directory (a pipe, a socket or a device). Point {key} at a "
+            "data file (.json, .jsonl, .csv, .parquet) or a directory of them."
+        )
     if path.is_dir():
         # Hidden files are an editor's or an OS's (`._data.jsonl` from macOS holds binary metadata), not data.
         files = sorted(p for p in path.iterdir() if p.suffix in READERS and not p.name.startswith(".") and p.is_file())
@@ -56,6 +61,9 @@ def list_files(path_str: str, key: str) -> list[Path]:
     if len(kinds) > 1:
         raise ConfigError(f"{key}={path_str}: mixes file types {sorted(kinds)}; keep one type per directory")
     empty = [f.name for f in files if not check_file(f, key)]
+    for f in files:
+        if f.suffix == ".json" and (problem := _one_object_file(f)):
+            raise ConfigError(f"{key}: {f}: {problem}")
     if len(empty) == len(files):
         raise ConfigError(f"{key}={path_str}: the data is empty ({', '.join(empty)}); point {key} at examples")
     return files
@@ -167,7 +175,7 @@ def _json_columns(path: Path) -> list[str] | str:
         else:
             numbered = _jsonl_rows(f)
             if isinstance(numbered, str):
-                return numbered
+                return _one_object(path) or numbered
     kinds: dict[str, str] = {}  # column -> the JSON type of its first non-null value
     order: dict[str, None] = {}
     for where, row in numbered:
@@ -184,6 +192,38 @@ def _json_columns(path: Path) -> list[str] | str:
                     "one type (text fields: strings)"
                 )
     return list(order)
+
+
+def _one_object_file(path: Path) -> str | None:
+    """A .json file that is one pretty-printed object (`datasets` would read it as one row whose columns are its
+    keys): what is wrong with it, or None. Only a file whose first line is not a whole JSON object is parsed."""
+    with open(path, encoding="utf-8-sig") as f:
+        head = f.read(CHUNK)
+    line = head.lstrip().split("\n", 1)[0]
+    if not line.startswith("{") or len(line) == len(head.lstrip()) == CHUNK:
+        return None
+    try:
+        json.loads(line)
+        return None  # JSON lines in a .json file
+    except ValueError:
+        return _one_object(path)
+
+
+def _one_object(path: Path) -> str | None:
+    """A file that is one (pretty-printed) JSON object rather than rows: what is wrong with it, or None."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            whole = json.load(f)
+    except (ValueError, OSError):
+        return None
+    if not isinstance(whole, dict):
+        return None
+    lists = [k for k, v in whole.items() if isinstance(v, list)]
+    where = f" (the rows may be its '{lists[0]}' list: save that list as the file)" if lists else ""
+    return (
+        f"it holds one JSON object, not rows{where}; a data file is a JSON array of objects, or JSONL: one object "
+        "per line"
+    )
 
 
 def _jsonl_rows(f: io.TextIOBase) -> list[tuple[str, Any]] | str:

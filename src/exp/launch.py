@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from exp.config import Strategy, TrainConfig
-from exp.signals import GUARD, REQUEUE_EXIT, SIGNALS
+from exp.signals import GUARD, REQUEUE_EXIT, taken_signals
 
 
 def externally_launched() -> bool:
@@ -79,7 +79,7 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
         for p in procs:
             p.send_signal(signum)
 
-    forward = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
+    forward = {sig: signal.signal(sig, pass_on) for sig in taken_signals()}
     try:
         while procs:
             for p in list(procs):
@@ -112,7 +112,7 @@ def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
         GUARD.received = GUARD.received or signum  # the sweep stops once the job has
         proc.send_signal(signum)
 
-    forward = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
+    forward = {sig: signal.signal(sig, pass_on) for sig in taken_signals()}
     try:
         return proc.wait()
     finally:

@@ -240,7 +240,7 @@ def secret_values(overrides: list[str]) -> list[str]:
 
 def _write_yaml(path: Path, data: Any) -> None:
     """Atomically: a reader sees the previous file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two launches never share one
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
     os.replace(tmp, path)
 

@@ -1,8 +1,8 @@
-"""Signals: SIGTERM, SIGUSR1 and SIGINT stop a run at any moment with its status true and a message.
+"""Signals: SIGTERM, SIGUSR1, SIGINT and SIGHUP stop a run at any moment with its status true and a message.
 
 SLURM sends SIGUSR1 ahead of a time limit (`#SBATCH --signal=USR1@120`) and SIGTERM on preemption; Kubernetes
-and most schedulers send SIGTERM; Ctrl-C sends SIGINT. One handler (`GUARD`) owns all three from the moment
-`exp.train` starts until it ends, and acts by phase:
+and most schedulers send SIGTERM; Ctrl-C sends SIGINT, a closed terminal SIGHUP (unless started with `nohup`). One
+handler (`GUARD`) owns them from the moment `exp.train` starts until it ends, and acts by phase:
 
 - before training (start-up, data preparation, model build, the step-0 validation) and after it (the final
   validation): the run stops at once, `Preempted` raised where the process is;
@@ -30,7 +30,9 @@ log = logging.getLogger("exp.signals")
 
 # EX_TEMPFAIL from sysexits.h: "a temporary failure; the user is invited to retry".
 REQUEUE_EXIT = 75
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# Left alone when the process starts with them ignored: `nohup` ignores SIGHUP, a shell's background job SIGINT.
+UNLESS_IGNORED = (signal.SIGINT, signal.SIGHUP)
 
 
 class Preempted(BaseException):
@@ -69,7 +71,7 @@ class SignalGuard:
     def install(self) -> None:
         """Point SIGNALS at this guard (again: Lightning composes its own SIGTERM handler around it at each fit)."""
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
+            for sig in taken_signals():
                 signal.signal(sig, self._handle)
 
     def reset(self, phase: str = "start-up") -> None:
@@ -105,6 +107,11 @@ class SignalGuard:
 
 
 GUARD = SignalGuard()
+
+
+def taken_signals() -> list[int]:
+    """The SIGNALS this process acts on: all but those it was started with ignored (UNLESS_IGNORED)."""
+    return [sig for sig in SIGNALS if not (sig in UNLESS_IGNORED and signal.getsignal(sig) == signal.SIG_IGN)]
 
 
 @contextlib.contextmanager

@@ -148,11 +148,19 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         return result
     except BaseException as e:
         with GUARD.shielded():
-            preempted = isinstance(e, Preempted)
-            if preempted and e.checkpoint is None:  # stopped outside the training loop: name where to go on from
-                e.checkpoint = newest_checkpoint(output_dir, resume)
+            stop = e if isinstance(e, Preempted) else None
+            if stop is None and GUARD.received is not None and not isinstance(e, ConfigError):
+                # Failed after a signal: a process group's signal also ends the run's DataLoader workers, and the
+                # next batch then fails. The signal is what stopped the run.
+                stop = Preempted(GUARD.received, phase=GUARD.phase)
+            preempted = stop is not None
+            if stop is not None and stop.checkpoint is None:  # stopped outside the training loop: where to go on from
+                stop.checkpoint = newest_checkpoint(output_dir, resume)
             if manage_run_dir:
-                write_status(output_dir, "preempted" if preempted else "failed", error=f"{type(e).__name__}: {e}")
+                error = f"Preempted: {stop}" if stop is not None else f"{type(e).__name__}: {e}"
+                write_status(output_dir, "preempted" if preempted else "failed", error=error)
+        if stop is not None and stop is not e:
+            raise stop from e
         raise
     finally:
         with GUARD.shielded():
@@ -464,6 +472,8 @@ def cli() -> None:
         claimed = [Path(a.split("=", 1)[1][1:-1]) for a in sys.argv[1:] if a.startswith('hydra.run.dir="')]
         if claimed and (claimed[-1] / "status.json").exists():
             record_stop(claimed[-1], e)
+        elif {"-m", "--multirun"} & set(sys.argv[1:]):
+            e.phase = "the sweep, between jobs (the jobs' own directories say how each ended)"
         else:
             e.phase = "start-up, before a run directory was made (nothing was written)"
         print(f"exp: {e}", file=sys.stderr)
