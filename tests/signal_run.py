@@ -1,4 +1,4 @@
-"""`python -m exp.train` held at one moment of a run, for tests/test_signals.py to send it a signal there.
+"""`python -m exp.train` held at one moment of its start, for tests/test_signals.py to send it a signal there.
 
 Usage: python signal_run.py <point> <marker dir> <exp.train arguments...>
 
@@ -20,41 +20,23 @@ def hold(marker: Path) -> None:
         time.sleep(0.01)
 
 
-def wrap(owner, name: str, marker: Path, when=lambda *a, **k: True) -> None:
+def wrap(owner, name: str, marker: Path) -> None:
     original = getattr(owner, name)
 
     def held(*args, **kwargs):
-        if when(*args, **kwargs):
-            hold(marker)
+        hold(marker)
         return original(*args, **kwargs)
 
     setattr(owner, name, held)
 
 
 def install(point: str, marker: Path) -> None:
-    import exp.data
-    import exp.module
-    import exp.overrides
     import exp.security
     import exp.train
 
-    calls = []
     points = {
         "before-run-dir": lambda: wrap(exp.train, "check_command_line", marker),
         "hydra-start": lambda: wrap(exp.security.RunRecord, "on_job_start", marker),
-        "data": lambda: wrap(exp.data, "build_datamodule", marker),
-        # Inside datasets.map, half-way through the rows: the tokenisation cache entry is being built.
-        "tokenising": lambda: wrap(
-            exp.data, "_encode_row", marker, lambda *a, **k: len(calls.append(1) or calls) == 50
-        ),
-        "model": lambda: wrap(exp.module, "build_model", marker),
-        "step-0-validation": lambda: wrap(
-            exp.module.QLoRAModule, "validation_step", marker, lambda self, *a: self.trainer.sanity_checking
-        ),
-        "final-validation": lambda: wrap(
-            exp.module.QLoRAModule, "validation_step", marker, lambda self, *a: self.trainer.state.fn == "validate"
-        ),
-        "saving": lambda: wrap(exp.train, "save_adapter", marker),
     }
     points[point]()
 

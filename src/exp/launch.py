@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from exp.config import Strategy, TrainConfig
-from exp.signals import GUARD, REQUEUE_EXIT, taken_signals
+from exp.signals import GUARD, REQUEUE_EXIT, Preempted, taken_signals
 
 
 def externally_launched() -> bool:
@@ -168,6 +168,9 @@ def end_rank(main: Callable[[], object]) -> NoReturn:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except Preempted as e:  # a signal before `main` could handle it (Hydra starting)
+        print(f"exp: {e}", file=sys.stderr)
+        code = REQUEUE_EXIT
     except BaseException:
         traceback.print_exc()
         code = 1
