@@ -276,6 +276,8 @@ HOSTILE = [
     (["hydra.job_logging.handlers.file.filename=/tmp/elsewhere.log"], "inside the run directory"),
     (["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/../x.log"], "inside the run directory"),
     (["hydra.job.name=../../outside"], "hydra.job.name=../../outside"),
+    # Hydra's own record holds overrides verbatim: exp writes it, redacted.
+    (["hydra.output_subdir=.hydra"], "secrets included"),
     # The Optuna sweeper calls a search-space function by name.
     (
         ["-m", "hydra/sweeper=optuna", "hydra.sweeper.custom_search_space=exp.train.os.system", "lora.r=4,8"],

@@ -60,7 +60,15 @@ def list_files(path_str: str, key: str) -> list[Path]:
         )
     if len(kinds) > 1:
         raise ConfigError(f"{key}={path_str}: mixes file types {sorted(kinds)}; keep one type per directory")
-    empty = [f.name for f in files if not check_file(f, key)]
+    empty = []
+    for f in files:
+        try:
+            if not check_file(f, key):
+                empty.append(f.name)
+        except OSError as e:  # unreadable: permissions, a file removed meanwhile, an I/O error
+            raise ConfigError(
+                f"{key}: {f} cannot be read ({e.strerror or e}); check the file and its permissions"
+            ) from None
     for f in files:
         if f.suffix == ".json" and (problem := _one_object_file(f)):
             raise ConfigError(f"{key}: {f}: {problem}")

@@ -195,6 +195,13 @@ def target_problems(config: dict[str, Any]) -> list[str]:
             walk(value, where)
 
     walk(config, "")
+    subdir = config.get("hydra", {}).get("output_subdir")
+    if subdir is not None:
+        problems.append(
+            f"hydra.output_subdir={subdir}: Hydra would write its own record of the run there, command-line overrides "
+            "and hydra.job.env_set values verbatim (secrets included), before exp's redacted record replaces it. exp "
+            "writes the record itself, redacted, to <run dir>/.hydra/. Fix: drop the override (the default is null)."
+        )
     job_name = str(config.get("hydra", {}).get("job", {}).get("name") or "")
     if "/" in job_name or job_name.startswith("."):
         problems.append(
