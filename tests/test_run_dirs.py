@@ -197,3 +197,17 @@ def test_a_run_dir_that_cannot_be_created_is_refused_clearly(tmp_path, monkeypat
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only file system, as root sees it
     (problem,) = run_dir_problems("hydra.run.dir", tmp_path / "ro" / "run")
     assert f"{tmp_path} cannot be written (permissions, or a read-only file system)" in problem
+
+
+def test_a_full_disk_is_reported_without_a_traceback(capsys):
+    import errno
+
+    from exp.train import exit_on_known_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/.last.ckpt.7.1.partial")
+    with pytest.raises(SystemExit) as info:
+        exit_on_known_error(full)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "No space left on device while writing /runs/x/checkpoints/.last.ckpt.7.1.partial" in err
+    assert "continue with trainer.resume=auto" in err

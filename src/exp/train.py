@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import json
@@ -371,6 +372,15 @@ def exit_on_known_error(e: BaseException) -> None:
 
     if isinstance(e, TrainingFault):
         print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
+        sys.exit(1)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        # The disk, not the run: every file is written atomically, so what was written before is intact.
+        print(
+            f"exp: error: {e.strerror} while writing {e.filename or 'the run directory'}. Nothing written before was "
+            "lost (files are replaced whole). Free space (or use a writable disk: hydra.run.dir=...), then continue "
+            "with trainer.resume=auto.",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if isinstance(e, Preempted):
         print(f"exp: {e}", file=sys.stderr)
