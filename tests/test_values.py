@@ -88,7 +88,6 @@ REFUSED = [
     ("model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=4 is not a multiple of", None),
     ("model.attn_implementation=flash_attention_3", "allowed values are sdpa, eager, flash_attention_2", None),
     ("model.attn_implementation=flash_attention_2", "flash_attention_2 on the CPU: FlashAttention is a CUDA", None),
-    ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1: must be >= 0", None),
     ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=-1: must be >= 0", None),
 ]
 

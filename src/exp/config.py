@@ -9,7 +9,6 @@ Below `exp.train.main`, code receives these dataclasses (via `OmegaConf.to_objec
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -355,7 +354,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if hw.accelerator == Accelerator.cpu and hw.strategy in (Strategy.fsdp, Strategy.model_parallel):
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
-        p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1, e.g. hardware.micro_batch_size=8")
+        p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
     layers = (m.arch or {}).get("num_hidden_layers")
     if hw.checkpoint_layers is not None and not 0 <= hw.checkpoint_layers <= (layers or hw.checkpoint_layers):
         p.append(
@@ -398,10 +397,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if t.learning_rate <= 0:
         p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. trainer.learning_rate=2e-4")
     if t.max_steps >= 1 and (t.warmup_steps < 0 or t.warmup_steps >= t.max_steps):
-        p.append(
-            f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps}), e.g. "
-            "trainer.warmup_steps=0"
-        )
+        p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 and below trainer.max_steps ({t.max_steps})")
     if t.max_grad_norm < 0:
         p.append(
             f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping), e.g. trainer.max_grad_norm=1.0"
@@ -442,6 +438,8 @@ MAX_SEED = 2**32 - 1
 def non_finite_problems(cfg: Any, path: str = "") -> list[str]:
     """Every float of the config that is NaN or infinite: no setting of exp means anything there (a NaN compares
     false with every bound, so range checks alone would let it through)."""
+    import dataclasses
+
     problems = []
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{path}{f.name}"
