@@ -211,3 +211,23 @@ def test_a_full_disk_is_reported_without_a_traceback(capsys):
     err = capsys.readouterr().err
     assert "No space left on device while writing /runs/x/checkpoints/.last.ckpt.7.1.partial" in err
     assert "continue with trainer.resume=auto" in err
+
+
+def test_a_killed_run_reads_as_interrupted_while_a_running_one_reads_as_running(tmp_path):
+    from exp.run_dir import run_state
+
+    killed = fake_run(tmp_path / "killed", status="running")
+    (killed / ".lock").touch()  # it ran with a lock, and no process holds it now
+    assert run_state(killed) == "interrupted" and status_of(killed) == "running"  # its own file is left as it is
+    running = fake_run(tmp_path / "running", status="running")
+    (running / ".lock").touch()
+    holder = hold_lock(running)
+    try:
+        assert run_state(running) == "running"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def status_of(run: Path) -> str:
+    return json.loads((run / "status.json").read_text())["status"]

@@ -103,6 +103,16 @@ def in_use(run_dir: Path) -> bool:
     return False
 
 
+def run_state(run_dir: Path) -> str:
+    """The run's status, with `running` told apart from `interrupted`: a run whose status says running but whose
+    lock no process holds was killed (SIGKILL, a power cut) before it could say so. Its status.json is left as it
+    is (a run's files are never rewritten by another process); a continuation may have finished its work since."""
+    status = read_status(run_dir).get("status", "running")
+    if status == "running" and (run_dir / LOCK_FILE).exists() and not in_use(run_dir):
+        return "interrupted"
+    return status
+
+
 def _shared_launch_rank() -> bool:
     """A rank other than 0 of a torchrun / SLURM launch: its ranks share one run directory and one resume choice."""
     return bool(os.environ.get(LAUNCH_ID_ENV)) and os.environ.get("RANK", "0") != "0"
