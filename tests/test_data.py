@@ -111,7 +111,7 @@ def test_separate_validation_file(tmp_path, tokenizer):
 BAD_INPUTS = {
     # case: (file content or None, extra overrides, what the message must say)
     "missing": (None, [], ["no such file or directory", "data.path="]),
-    "unreadable": ("{not json at all", [], ["could not be read as JSON", "bad.jsonl"]),
+    "unreadable": ("{not json at all", [], ["bad.jsonl: line 1 is not valid JSON", "one JSON object per line"]),
     "empty": ("", [], ["empty"]),
     "unsupported_suffix": ("x", ["SUFFIX=.xlsx"], ["unsupported file type '.xlsx'", "JSONL"]),
     "bad_rows_fail": (

@@ -12,8 +12,8 @@ import sys
 import torch
 from conftest import SHORT
 
-from exp.preemption import REQUEUE_EXIT
 from exp.run_dir import shared_launch_id
+from exp.signals import REQUEUE_EXIT
 from exp.train import run
 
 

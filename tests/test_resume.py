@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from exp.checkpoints import AtomicCheckpointIO, candidates
-from exp.preemption import REQUEUE_EXIT
+from exp.signals import REQUEUE_EXIT
 
 # 60 steps, a checkpoint every 10: long enough to interrupt after step 20 and have most of the run left.
 RUN = [
@@ -181,7 +181,7 @@ def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
     from exp.train import compose_config, config_dict
 
     cfg = config_dict(compose_config(["trainer.resume=auto"]))
-    assert find_auto(cfg, tmp_path / "outputs" / "d" / "t", tmp_path) is None
+    assert find_auto(cfg, tmp_path / "outputs" / "d" / "t") is None
 
 
 def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
@@ -199,7 +199,8 @@ def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     io = AtomicCheckpointIO()
     path = tmp_path / "last.ckpt"
-    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+    io.save_checkpoint({"step": 1, "state_dict": {"w": torch.ones(3)}, "exp": {}}, path)
+    io.commit()
 
     def dies_mid_write(obj, f):
         f.write(b"PK\x03\x04 half a zip file")
@@ -207,9 +208,26 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
     monkeypatch.setattr(torch, "save", dies_mid_write)
     with pytest.raises(OSError):
-        io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+        io.save_checkpoint({"step": 2, "state_dict": {"w": torch.zeros(3)}, "exp": {}}, path)
+    io.commit()
     assert io.load_checkpoint(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left behind
+
+
+def test_a_checkpoint_is_shown_only_once_its_steps_metrics_are_on_disk(tmp_path, monkeypatch):
+    """Lightning writes a step's checkpoint before that step's CSV row: the checkpoint appears (renamed into place,
+    the one it replaces removed) only when the next step starts, so a kill in between cannot leave a checkpoint of a
+    step whose row is lost."""
+    io = AtomicCheckpointIO()
+    old, new = tmp_path / "step-000010.ckpt", tmp_path / "step-000020.ckpt"
+    io.save_checkpoint({"state_dict": {}, "exp": {}, "global_step": 10}, old)
+    io.commit()
+    io.save_checkpoint({"state_dict": {}, "exp": {}, "global_step": 20}, new)
+    io.remove_checkpoint(old)
+    assert old.exists() and not new.exists()  # killed here: the continuation starts after step 10
+    io.commit()
+    assert not old.exists() and io.load_checkpoint(new)["global_step"] == 20
+    assert [p.name for p in tmp_path.iterdir()] == [new.name]
 
 
 def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):

@@ -64,6 +64,8 @@ def secret_run(tmp_path_factory: pytest.TempPathFactory):
     env["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # a key but no server (nothing listens there): offline, at once
     overrides = [f"+hydra.job.env_set.{k}={v}" for k, v in OVERRIDE_SECRETS.items()]
     overrides.append("hydra.job.env_copy=[MY_SERVICE_PASSWORD]")  # Hydra copies the variable's value into its config
+    # A secret's value under a name that does not look secret: found by its value.
+    overrides.append(f"+hydra.job.env_set.INNOCENT_NAME={ENV_SECRETS['MY_SERVICE_PASSWORD']}")
     proc = _cli(launch, *RUN, *overrides, f"hydra.run.dir={run_dir}", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, launch, proc
@@ -99,7 +101,8 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
     run_dir, _, _ = secret_run
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     hydra = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
-    assert hydra.job.env_set == {"DB_PASSWORD": REDACTED, "HF_TOKEN": REDACTED, "MY_SERVICE_PASSWORD": REDACTED}
+    masked = {"DB_PASSWORD": REDACTED, "HF_TOKEN": REDACTED, "MY_SERVICE_PASSWORD": REDACTED}
+    assert hydra.job.env_set == {**masked, "INNOCENT_NAME": REDACTED}  # the last by its value
     assert f"+hydra.job.env_set.DB_PASSWORD={REDACTED}" in hydra.overrides.hydra
     assert list(hydra.overrides.task) == RUN
     assert OmegaConf.load(run_dir / ".hydra" / "config.yaml") == OmegaConf.load(run_dir / "config.yaml")
@@ -119,6 +122,45 @@ def test_a_sweep_writes_no_secret_anywhere(tmp_path: Path, launcher: str):
     assert (sweep / "multirun.yaml") in files and len(list(sweep.glob("*/.hydra/hydra.yaml"))) == 2
     assert [p for p in files if secret.encode() in p.read_bytes()] == []
     assert secret not in proc.stdout + proc.stderr
+
+
+# A secret's value reaching the training config or a directory name under a name that does not look secret.
+BY_VALUE = [
+    (
+        "logger.project=${oc.env:WANDB_API_KEY}",
+        "logger.project holds the value of the environment variable WANDB_API_KEY",
+    ),
+    (f"trainer.sample_prompts=[{ENV_SECRETS['HF_TOKEN']}]", "trainer.sample_prompts[0] holds the value of"),
+    ("logger.tags=[x${oc.env:MY_SERVICE_PASSWORD}]", "logger.tags[0] holds the value of the environment variable MY"),
+    ("hydra.run.dir=outputs/${oc.env:HF_TOKEN}", "hydra.run.dir holds the value of the environment variable HF_TOKEN"),
+    ("hydra.job.name=${oc.env:HF_TOKEN}", "hydra.job.name holds the value"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BY_VALUE, ids=[o.split("=")[0] for o, _ in BY_VALUE])
+def test_a_secret_value_under_an_innocent_name_is_refused(tmp_path, monkeypatch, override: str, message: str):
+    for name, value in ENV_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    problems, _ = check_command_line([override], TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 1 and message in problems[0], problems
+    assert not any(secret in problems[0] for secret in ENV_SECRETS.values())
+
+
+def test_a_secret_value_is_refused_by_the_cli_without_writing_or_printing_it(tmp_path: Path):
+    env = dict(os.environ, **ENV_SECRETS, OMP_NUM_THREADS="1")
+    proc = _cli(tmp_path, f"trainer.sample_prompts=[{ENV_SECRETS['HF_TOKEN']}]", env=env)
+    assert proc.returncode == 2 and "holds the value of the environment variable HF_TOKEN" in proc.stderr
+    assert ENV_SECRETS["HF_TOKEN"] not in proc.stdout + proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_typed_config_refuses_a_secret_value_too(monkeypatch):
+    """`exp.train.run` (no CLI check before it) composes through the same typed config."""
+    from exp.train import compose_config
+
+    monkeypatch.setenv("HF_TOKEN", ENV_SECRETS["HF_TOKEN"])
+    with pytest.raises(ConfigError, match="logger.run_name holds the value of the environment variable HF_TOKEN"):
+        compose_config(["logger.run_name=${oc.env:HF_TOKEN}"])
 
 
 def test_redact_override():
@@ -201,6 +243,121 @@ def test_a_config_that_sweeps_by_itself_is_checked_as_a_sweep(tmp_path: Path, mo
     assert len(problems) == 1 and "hydra.callbacks.x._target_=os.system" in problems[0]
 
 
+# A `_target_` (or a logging `class` / `()`, an Optuna search-space function, an `ext://` import) is resolved as Hydra
+# resolves it and the object it names is checked: its defining module and its kind. Each row: the overrides, what
+# the message must name.
+HOSTILE = [
+    # Attribute paths through an allowed module reach anything that module imported.
+    (["+hydra.callbacks.x._target_=exp.train.os.symlink"], "exp.train.os is module os"),
+    (["+hydra.callbacks.x._target_=exp.train.os.system"], "exp.train.os is module os"),
+    (["+hydra.callbacks.x._target_=exp.security.importlib.import_module"], "is module importlib"),
+    (["+hydra.callbacks.x._target_=exp.train.sys.modules"], "is module sys"),
+    (["+hydra.callbacks.x._target_=exp.train.Path"], "defined in pathlib"),
+    (["+hydra.callbacks.x._target_=exp.security.Callback"], "defined in hydra.experimental.callback"),
+    (["+hydra.callbacks.x._target_=exp.launch.subprocess.Popen"], "is module subprocess"),
+    # exp's own functions are not callbacks (write_json would write any file it is given).
+    (["+hydra.callbacks.x._target_=exp.run_dir.write_json"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.__class__"], "defined in builtins"),
+    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.${oc.env:HOME}"], "may not be an interpolation"),
+    (["+hydra.callbacks.x._target_=builtins.eval"], "it would import module builtins"),
+    (["+hydra.callbacks.x._target_=exp..train"], "not a dotted Python name"),
+    (["+hydra.callbacks.x._target_=exp.no_such_module.X"], "cannot be imported"),
+    (["hydra.launcher._target_=hydra_plugins.exp_gpu_launcher.launcher.subprocess.Popen"], "is module subprocess"),
+    (["hydra.launcher._target_=hydra._internal.utils._locate"], "module hydra._internal.utils"),
+    (["hydra.sweeper._target_=exp.sweep.SweepStatus"], "it would import module exp;"),
+    (["+hydra.callbacks.x.inner._target_=exp.train.os.system"], "is module os"),  # nested: instantiated first
+    (["+model.arch._target_=os.system"], "it would import module os"),
+    # logging.config: handler classes and factories, ext:// imports, log files outside the run directory.
+    (["hydra.job_logging.handlers.console.class=logging.handlers.SocketHandler"], "not a logging handler"),
+    (["hydra.job_logging.handlers.console.class=logging.config.dictConfig"], "logging.config"),
+    (["+hydra.job_logging.root.class=logging.StreamHandler"], "only handlers, formatters and filters"),
+    (["hydra.job_logging.handlers.console.stream=ext://antigravity"], "ext://antigravity"),
+    (["hydra.job_logging.handlers.file.filename=/tmp/elsewhere.log"], "inside the run directory"),
+    (["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/../x.log"], "inside the run directory"),
+    (["hydra.job.name=../../outside"], "hydra.job.name=../../outside"),
+    # Hydra's own record holds overrides verbatim: exp writes it, redacted.
+    (["hydra.output_subdir=.hydra"], "secrets included"),
+    # The Optuna sweeper calls a search-space function by name.
+    (
+        ["-m", "hydra/sweeper=optuna", "hydra.sweeper.custom_search_space=exp.train.os.system", "lora.r=4,8"],
+        "exp.train.os is module os",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "names"), HOSTILE, ids=[" ".join(a)[:60] for a, _ in HOSTILE])
+def test_a_callable_is_checked_as_hydra_resolves_it(tmp_path, monkeypatch, argv: list[str], names: str):
+    monkeypatch.chdir(tmp_path)
+    problems, _ = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 1, problems
+    key = next(a for a in argv if "=" in a and not a.startswith(("-", "hydra/"))).split("=")[0].lstrip("+")
+    assert key.rsplit(".", 1)[0] in problems[0] and names in problems[0], problems[0]
+    assert "Nothing has been run" in problems[0] or "Fix:" in problems[0]
+
+
+def test_logging_factories_in_a_yaml_file_are_checked_like_targets(tmp_path, monkeypatch):
+    """`()` keys (factories) cannot be typed as overrides; an experiment file can set them."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "logs.yaml").write_text(
+        "# @package _global_\nhydra:\n  job_logging:\n    formatters:\n      simple:\n"
+        "        '()': exp.train.os.system\n    filters:\n      f:\n        '()': colorlog.escape_codes.sys.exit\n"
+        "  hydra_logging:\n    formatters:\n      simple:\n        '()': colorlog.ColoredFormatter\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config-dir", str(tmp_path / "conf"), "experiment=logs"]
+    problems, _ = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
+    assert len(problems) == 2, problems  # colorlog's formatter is allowed
+    assert (
+        "hydra.job_logging.formatters.simple.()=exp.train.os.system" in problems[0]
+        and "import module exp" in problems[0]
+    )
+    assert "hydra.job_logging.filters.f.()=colorlog.escape_codes.sys.exit" in problems[1]
+
+
+def test_resolving_a_name_imports_nothing_outside_the_allowed_packages(tmp_path, monkeypatch):
+    """A module with side effects on import, named as a target, is never imported by the check."""
+    marker = tmp_path / "imported"
+    (tmp_path / "side_effect_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass X: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for value in ("side_effect_mod.X", "exp.train.side_effect_mod.X"):
+        problems, _ = check_command_line([f"+hydra.callbacks.x._target_={value}"], TRAIN_PY, str(CONF_DIR), "train")
+        assert len(problems) == 1
+    problems, _ = check_command_line(
+        ["hydra.job_logging.handlers.console.stream=ext://side_effect_mod.X"], TRAIN_PY, str(CONF_DIR), "train"
+    )
+    assert len(problems) == 1
+    assert not marker.exists()
+
+
+def test_an_attribute_path_through_exp_creates_nothing(tmp_path: Path):
+    """The example of a bypass by attribute path, through the real CLI: refused before Hydra runs it."""
+    source, link = tmp_path / "source.txt", tmp_path / "link"
+    source.write_text("x")
+    args = ["+hydra.callbacks.x._target_=exp.train.os.symlink", f"+hydra.callbacks.x.src={source}"]
+    proc = _cli(tmp_path, *args, f"+hydra.callbacks.x.dst={link}")
+    assert proc.returncode == 2 and "exp.train.os is module os" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not link.exists() and not link.is_symlink() and not (tmp_path / "outputs").exists()
+
+
+def test_the_allowed_callables_resolve_to_what_hydra_would_build():
+    from hydra._internal.utils import _locate
+
+    from exp.security import CALLBACK, HANDLER, LAUNCHER, SAMPLER, locate
+
+    for name, slot in [
+        ("exp.sweep.SweepStatus", CALLBACK),
+        ("exp.security.RunRecord", CALLBACK),
+        ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", LAUNCHER),
+        ("hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher", LAUNCHER),
+        ("optuna.samplers.TPESampler", SAMPLER),
+        ("logging.FileHandler", HANDLER),
+    ]:
+        assert locate(name, slot) is _locate(name)
+
+
 def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
     problems, _ = check_command_line(
@@ -226,16 +383,26 @@ def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatc
 def test_the_project_configs_pass_the_allow_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]):
     monkeypatch.chdir(tmp_path)
     problems, passed = check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")
-    assert problems == [] and passed == argv
+    assert problems == [] and passed[: len(argv)] == argv
+    if "-m" not in argv:  # a single run's directory is pinned, to be claimed before Hydra writes into it
+        assert len(passed) == len(argv) + 1 and passed[-1].startswith('hydra.run.dir="outputs/')
 
 
 def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from exp.run_dir import release_runs
+    from exp.train import claim_pinned_run_dir
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "status.json").write_text('{"status": "completed"}')
     problems, argv = check_command_line(["lora.r=16", "hydra.run.dir=done"], TRAIN_PY, str(CONF_DIR), "train")
-    assert problems == [] and argv == ["lora.r=16", 'hydra.run.dir="done_1"']
-    assert "done already holds a run" in capsys.readouterr().err
+    assert problems == [] and argv == ["lora.r=16", 'hydra.run.dir="done"']
+    try:
+        assert claim_pinned_run_dir(argv) == ["lora.r=16", 'hydra.run.dir="done_1"']
+    finally:
+        release_runs()
+    assert "done already holds a run; this one goes to done_1" in capsys.readouterr().err
+    assert json.loads((tmp_path / "done_1" / "status.json").read_text())["status"] == "running"
 
 
 # --- remote code, weights and checkpoints ------------------------------------------------------------------------

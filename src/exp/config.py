@@ -317,13 +317,27 @@ def data_parallel_size(hw: HardwareConfig) -> int:
 
 def _validate(cfg: TrainConfig) -> list[str]:
     """Collect every cross-field problem, so one run reports them all at once."""
-    p: list[str] = []
+    p: list[str] = non_finite_problems(cfg)
+    if p:  # every range check below would report the same keys again, less clearly
+        return p
     m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
     if not (m.path or m.hub_id or m.random_init):
         p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
     if m.random_init and not m.arch:
         p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
     p += _secret_keys("model.arch", m.arch)
+    if m.random_init:
+        p += arch_problems(m)
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation}: allowed values are {', '.join(ATTN_IMPLEMENTATIONS)} "
+            "(what transformers and exp's memory estimate support), e.g. model.attn_implementation=sdpa"
+        )
+    elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation} on the CPU: FlashAttention is a CUDA kernel; use "
+            "e.g. model.attn_implementation=sdpa (or eager)"
+        )
     if lo.r <= 0:
         p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
     if lo.alpha <= 0:
@@ -401,19 +415,148 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if t.warmup_steps < 0:
         p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 (0: no warmup), e.g. trainer.warmup_steps=10")
     if t.max_grad_norm < 0:
-        p.append(f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping)")
-    if t.val_every_n_steps < 1 or t.checkpoint_every_n_steps < 1 or t.log_every_n_steps < 1:
-        p.append("trainer.val_every_n_steps, checkpoint_every_n_steps and log_every_n_steps must be >= 1")
+        p.append(
+            f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping), e.g. trainer.max_grad_norm=1.0"
+        )
+    for key, value, default in (
+        ("val_every_n_steps", t.val_every_n_steps, 50),
+        ("checkpoint_every_n_steps", t.checkpoint_every_n_steps, 100),
+        ("log_every_n_steps", t.log_every_n_steps, 5),
+    ):
+        if value < 1:
+            p.append(
+                f"trainer.{key}={value}: an interval in optimizer steps, must be >= 1, e.g. trainer.{key}={default}"
+            )
     if t.keep_last_checkpoints < 1:
-        p.append(f"trainer.keep_last_checkpoints={t.keep_last_checkpoints}: must be >= 1 (the newest is what resumes)")
+        p.append(
+            f"trainer.keep_last_checkpoints={t.keep_last_checkpoints}: must be >= 1 (the newest is what resumes), e.g. "
+            "trainer.keep_last_checkpoints=3"
+        )
     if t.max_skipped_steps < 0:
-        p.append(f"trainer.max_skipped_steps={t.max_skipped_steps}: must be >= 0")
+        p.append(f"trainer.max_skipped_steps={t.max_skipped_steps}: must be >= 0, e.g. trainer.max_skipped_steps=10")
     if d.format != DataFormat.synthetic and not (d.path or d.hub_id):
         p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory> or data.hub_id=<name>")
     if d.max_seq_len < 8:
         p.append(f"data.max_seq_len={d.max_seq_len}: too short to hold a prompt and a response; use >= 8")
-    if d.val_size <= 0:
-        p.append(f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a count >= 1")
+    if d.val_size <= 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):
+        p.append(
+            f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a whole count >= 1, e.g. data.val_size=0.1"
+        )
+    p += library_range_problems(cfg)
+    return p
+
+
+# Seeds feed numpy (Lightning's seed_everything, which silently replaces a seed outside this range by 0), torch and
+# Python's random: the range all of them take.
+MAX_SEED = 2**32 - 1
+
+
+def non_finite_problems(cfg: Any, path: str = "") -> list[str]:
+    """Every float of the config that is NaN or infinite: no setting of exp means anything there (a NaN compares
+    false with every bound, so range checks alone would let it through)."""
+    import dataclasses
+
+    problems = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += non_finite_problems(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value}: must be a finite number, e.g. {key}={getattr(type(cfg)(), f.name)}")
+        elif isinstance(value, dict):  # model.arch: passed to transformers' config class as it is
+            problems += [
+                f"{key}.{k}={v}: must be a finite number; set a real value (e.g. the model's published one) or drop it"
+                for k, v in value.items()
+                if isinstance(v, float) and not math.isfinite(v)
+            ]
+    return problems
+
+
+def library_range_problems(cfg: TrainConfig) -> list[str]:
+    """Ranges the libraries fed by these keys enforce later, with a traceback (torch.optim.AdamW, DataLoader,
+    numpy's seeding, Lightning's Trainer, W&B's settings): refused here instead, before anything runs."""
+    p: list[str] = []
+    m, lo, hw, d, t, lg = cfg.model, cfg.lora, cfg.hardware, cfg.data, cfg.trainer, cfg.logger
+    for key, beta in (("trainer.adam_beta1", t.adam_beta1), ("trainer.adam_beta2", t.adam_beta2)):
+        if not 0.0 <= beta < 1.0:
+            default = 0.9 if key.endswith("1") else 0.999
+            p.append(f"{key}={beta}: AdamW's betas must be in [0, 1), e.g. {key}={default}")
+    # key, value, the smallest value allowed, an example, what the value is
+    minimums = [
+        ("trainer.weight_decay", t.weight_decay, 0, 0.0, "0: no decay"),
+        ("hardware.num_workers", hw.num_workers, 0, 0, "data-loading processes; 0: load in the training process"),
+        ("trainer.sample_count", t.sample_count, 0, 3, "0: no samples"),
+        ("trainer.sample_max_new_tokens", t.sample_max_new_tokens, 1, 24, "tokens per sample answer"),
+    ]
+    if t.limit_val_batches is not None:  # the step-0 and final evaluations are part of every run
+        minimums.append(("trainer.limit_val_batches", t.limit_val_batches, 1, 10, "or null for the whole split"))
+    if d.format == DataFormat.synthetic:
+        minimums.append(("data.num_examples", d.num_examples, 2, 4000, "one to train on, one held out"))
+    for key, value, least, example, why in minimums:
+        if value < least:
+            p.append(f"{key}={value}: must be >= {least} ({why}), e.g. {key}={example}")
+    for key, seed in (
+        ("trainer.seed", t.seed),
+        ("data.seed", d.seed),
+        ("model.seed", m.seed),
+        ("lora.init_seed", lo.init_seed),
+    ):
+        if not 0 <= seed <= MAX_SEED:
+            p.append(f"{key}={seed}: a seed must be in [0, 2**32 - 1] (numpy's range), e.g. {key}=0")
+    if lg.kind == LoggerKind.wandb:
+        bad = sorted(set(lg.project) & set(WANDB_PROJECT_FORBIDDEN))
+        if not lg.project or len(lg.project) > 128 or bad:
+            p.append(
+                f"logger.project={lg.project!r}: W&B project names are 1 to 128 characters without "
+                f"{' '.join(WANDB_PROJECT_FORBIDDEN)}, e.g. logger.project=exp"
+            )
+        tags = [*lg.tags, *([cfg.experiment_name] if cfg.experiment_name else [])]
+        if long := [tag for tag in tags if not 1 <= len(tag) <= 64]:
+            p.append(f"logger.tags={long}: W&B tags (the experiment name is one) are 1 to 64 characters each")
+    return p
+
+
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+# Attention kernels a model may be loaded with (transformers' names; exp.memory estimates each).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# Sizes of a random-weight architecture (model.arch) that transformers would take and then fail on with a bare
+# tensor-shape error, or build into a model that cannot train.
+ARCH_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def arch_problems(m: ModelConfig) -> list[str]:
+    """`model.arch` of a random-weight model: positive sizes, an even head size (rotary embeddings rotate pairs of
+    dimensions), query heads in whole groups per key/value head."""
+    p = []
+    for key in ARCH_SIZES:
+        value = m.arch.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            p.append(
+                f"model.arch.{key}={value}: must be a whole number >= 1 (model {m.name}); drop it or set e.g. "
+                f"model.arch.{key}=128"
+            )
+    head_dim, heads, kv = m.arch.get("head_dim"), m.arch.get("num_attention_heads"), m.arch.get("num_key_value_heads")
+    if isinstance(head_dim, int) and head_dim >= 1 and head_dim % 2:
+        p.append(
+            f"model.arch.head_dim={head_dim}: must be even (rotary position embeddings rotate pairs of "
+            f"dimensions), e.g. model.arch.head_dim={head_dim + 1}"
+        )
+    if isinstance(heads, int) and isinstance(kv, int) and heads >= 1 and kv >= 1 and heads % kv:
+        p.append(
+            f"model.arch.num_attention_heads={heads} is not a multiple of model.arch.num_key_value_heads={kv}: "
+            f"each key/value head serves a whole group of query heads, e.g. model.arch.num_key_value_heads=1"
+        )
     return p
 
 

@@ -20,7 +20,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from exp.cache_entries import ensure_entry
 from exp.config import BadRows, ConfigError, DataConfig, DataFormat
+from exp.data_files import READERS, diagnose, list_files
 from exp.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
 from exp.packing import Packed, pack
 from exp.synthetic import generate_examples
@@ -29,8 +31,6 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value that cross-entropy skips: prompt tokens and padding
 # Bump when the encoding changes, so cached tokenisations are not reused.
 ENCODING_VERSION = 1
-# `datasets` builders by file suffix.
-READERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Rows above which tokenisation runs in parallel processes (below, process start-up costs more than it saves).
 PARALLEL_ROWS = 20_000
 
@@ -125,30 +125,6 @@ class Source:
     fingerprint: str
 
 
-def _files(path_str: str, key: str) -> list[Path]:
-    path = Path(path_str).expanduser()
-    if not path.exists():
-        raise ConfigError(
-            f"{key}={path_str}: no such file or directory. Relative paths are resolved against the directory "
-            "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
-        )
-    files = sorted(p for p in path.iterdir() if p.suffix in READERS) if path.is_dir() else [path]
-    if not files:
-        raise ConfigError(f"{key}={path_str}: the directory holds no {', '.join(READERS)} file")
-    kinds = {READERS.get(f.suffix) for f in files}
-    if None in kinds:
-        raise ConfigError(
-            f"{key}={path_str}: unsupported file type '{path.suffix}'; use one of {', '.join(READERS)} "
-            "(or convert it, e.g. to JSONL)"
-        )
-    if len(kinds) > 1:
-        raise ConfigError(f"{key}={path_str}: mixes file types {sorted(kinds)}; keep one type per directory")
-    empty = [f.name for f in files if f.stat().st_size == 0 or (f.suffix != ".parquet" and not f.read_text().strip())]
-    if len(empty) == len(files):
-        raise ConfigError(f"{key}={path_str}: the data is empty ({', '.join(empty)}); point {key} at examples")
-    return files
-
-
 def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
     """Read a local file / directory, or a hub dataset (cache first), or generate the synthetic rows."""
     import datasets
@@ -159,17 +135,8 @@ def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
         digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
         return Source(datasets.Dataset.from_list(rows), "synthetic", digest)
     if path:
-        files = _files(path, key)
-        builder = READERS[files[0].suffix]
-        try:
-            ds = datasets.load_dataset(
-                builder, data_files=[str(f) for f in files], split="train", cache_dir=str(_cache("datasets"))
-            )
-        except Exception as e:  # datasets raises several types for unreadable files
-            raise ConfigError(
-                f"{key}={path}: could not be read as {builder.upper()} ({type(e).__name__}: {_short(e)}). "
-                "Check that the file is valid (JSON: one array of objects, or JSONL: one object per line)."
-            ) from e
+        files = list_files(path, key)
+        ds = _read_files(files, path, key)
         stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         return Source(ds, path, hashlib.sha256(json.dumps(stamp).encode()).hexdigest())
     try:
@@ -182,6 +149,43 @@ def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
             "data.path=<file>."
         ) from e
     return Source(ds, cfg.hub_id, ds._fingerprint)
+
+
+def _read_files(files: list[Path], path: str, key: str):
+    """`datasets` reads the checked files; when it cannot, the files are diagnosed (which file, which line), and a
+    reader that fails on files with nothing wrong gets one more try with its cache entry rebuilt."""
+    import datasets
+
+    builder = READERS[files[0].suffix]
+    # CSV goes through pandas, which would keep a UTF-8 byte-order mark in the first column's name.
+    options = {"encoding": "utf-8-sig"} if builder == "csv" else {}
+
+    def read(**kwargs):
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", cache_dir=str(_cache("datasets")), **kwargs
+        )
+
+    try:
+        return read(**options)
+    except Exception as e:  # datasets raises several types for unreadable files
+        error = e
+    if problem := diagnose(files, key):
+        raise ConfigError(problem) from error
+    try:
+        ds = read(download_mode="force_redownload", **options)
+    except Exception:  # noqa: BLE001 (the first error is the one to report)
+        raise ConfigError(
+            f"{key}={path}: could not be read as {builder.upper()} ({type(error).__name__}: {_short(error)}). "
+            "Check that the file is valid (JSON: one array of objects, or JSONL: one object per line)."
+        ) from error
+    log.warning(
+        "data: reading %s failed (%s: %s) but the files are sound; rebuilt its datasets cache entry under %s",
+        path,
+        type(error).__name__,
+        _short(error),
+        _cache("datasets"),
+    )
+    return ds
 
 
 def _short(e: Exception) -> str:
@@ -214,9 +218,10 @@ def encoding_fingerprint(cfg: DataConfig, source: Source, tokenizer_fp: str) -> 
 
 
 def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):
-    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized by an explicit fingerprint.
+    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized/<fingerprint>/ (an entry of
+    `exp.cache_entries`: verified on use, rebuilt when damaged).
 
-    A second run with the same source, tokenizer and encoding fields reads the cache file and calls no encoder.
+    A second run with the same source, tokenizer and encoding fields reads the cache entry and calls no encoder.
     """
     ds = source.rows
     if len(ds) == 0:
@@ -229,17 +234,25 @@ def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp:
             f"{cfg.format.value}); the data has columns {ds.column_names}. Map yours with e.g. {fixes}, or pick "
             "the data.format that matches the file."
         )
+    import datasets
+
     fp = encoding_fingerprint(cfg, source, tokenizer_fp)
-    return ds.map(
-        _encode_row,
-        fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
-        remove_columns=ds.column_names,
-        num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
-        cache_file_name=str(_cache("tokenized") / f"{fp}.arrow"),
-        load_from_cache_file=True,
-        new_fingerprint=fp,
-        desc=f"tokenising {source.name}",
-    )
+
+    def build(tmp: Path) -> None:
+        ds.map(
+            _encode_row,
+            fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
+            remove_columns=ds.column_names,
+            num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
+            cache_file_name=str(tmp / "rows.arrow"),  # one file per process with num_proc: rows_0000N_of_0000M
+            load_from_cache_file=False,
+            new_fingerprint=fp,
+            desc=f"tokenising {source.name}",
+        )
+
+    entry = ensure_entry(_cache("tokenized") / fp, build, f"tokenisation of {source.name}")
+    shards = sorted(entry.glob("rows*.arrow"))
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in shards])
 
 
 def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:

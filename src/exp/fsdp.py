@@ -105,7 +105,14 @@ class QLoRAFSDPStrategy(FSDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        from exp.checkpoints import load_checkpoint_file
+
+        try:
+            checkpoint = load_checkpoint_file(path)
+        except ValueError as e:
+            from exp.config import ConfigError
+
+            raise ConfigError(f"checkpoint {path} is damaged ({e}); resume from another checkpoint") from None
         restore_trainable(self.model, self.lightning_module, checkpoint.pop("state_dict"))
         if self.lightning_module.trainer.state.fn == "fit" and checkpoint.get("optimizer_states"):
             self._load_optimizer_states(checkpoint["optimizer_states"])

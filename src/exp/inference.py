@@ -198,10 +198,12 @@ def load_checkpoint_adapter(model, ckpt: Path) -> None:
         raise ConfigError(
             f"ckpt={ckpt}: no such file. Checkpoints are <run>/checkpoints/step-NNNNNN.ckpt or last.ckpt."
         )
+    from exp.checkpoints import load_checkpoint_file
+
     try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    except Exception as e:  # a truncated or foreign file: pickle, zip and key errors alike
-        raise ConfigError(f"ckpt={ckpt}: not a Lightning checkpoint of exp.train ({type(e).__name__}: {e})") from None
+        state = load_checkpoint_file(ckpt)["state_dict"]
+    except ValueError as e:  # truncated, altered or foreign
+        raise ConfigError(f"ckpt={ckpt}: not an intact checkpoint of exp.train ({e})") from None
     weights = {k.removeprefix("model."): v for k, v in state.items()}
     own = {n for n, p in model.named_parameters() if "lora_" in n}
     missing, unexpected = own - weights.keys(), weights.keys() - dict(model.named_parameters()).keys()

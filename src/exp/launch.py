@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from exp.config import Strategy, TrainConfig
-from exp.preemption import REQUEUE_EXIT, SIGNALS
+from exp.signals import GUARD, REQUEUE_EXIT, Preempted, taken_signals
 
 
 def externally_launched() -> bool:
@@ -73,13 +73,13 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "exp.launch", "worker", str(run_dir)], env=env))
     status = 0
 
-    # A scheduler's SIGTERM / SIGUSR1 (preemption) goes to this process: pass it on, so that every worker
-    # checkpoints at the same step and exits for a requeue.
+    # A scheduler's SIGTERM / SIGUSR1 (preemption) or a Ctrl-C goes to this process: pass it on, so that every
+    # worker checkpoints at the same step and exits for a requeue (a worker acts on the first signal it gets).
     def pass_on(signum: int, _frame) -> None:
         for p in procs:
             p.send_signal(signum)
 
-    forward = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
+    forward = {sig: signal.signal(sig, pass_on) for sig in taken_signals()}
     try:
         while procs:
             for p in list(procs):
@@ -93,10 +93,6 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
                         for other in procs:
                             other.kill()
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        raise
     finally:
         for sig, handler in forward.items():
             signal.signal(sig, handler)
@@ -107,10 +103,21 @@ def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
     """Run one sweep job (config already in `run_dir/config.yaml`) in a fresh Python process.
 
     A fresh process per job is the isolation guarantee: no CUDA context, allocator state, W&B run, logging
-    handler or module global of one job can reach the next, whatever the job did (or how it died).
+    handler or module global of one job can reach the next, whatever the job did (or how it died). A signal to
+    this process is passed on to the job, which stops as a single run does (checkpoint, status, REQUEUE_EXIT).
     """
-    proc = subprocess.run([sys.executable, "-m", "exp.launch", "job", str(run_dir)], env=env or os.environ.copy())
-    return proc.returncode
+    proc = subprocess.Popen([sys.executable, "-m", "exp.launch", "job", str(run_dir)], env=env or os.environ.copy())
+
+    def pass_on(signum: int, _frame) -> None:
+        GUARD.received = GUARD.received or signum  # the sweep stops once the job has
+        proc.send_signal(signum)
+
+    forward = {sig: signal.signal(sig, pass_on) for sig in taken_signals()}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
 
 
 def close_process_group() -> None:
@@ -128,10 +135,10 @@ def close_process_group() -> None:
 
 
 def _main(argv: list[str]) -> None:
-    from exp.config import ConfigError
-    from exp.train import execute, exit_on_known_error, load_run_config, train
+    from exp.train import execute, exit_on_known_error, load_run_config, record_stop, train
 
     role, run_dir = argv[0], Path(argv[1])
+    GUARD.install()  # SIGTERM / SIGUSR1 / SIGINT stop this process as they stop a single run
     cfg = load_run_config(run_dir)
     try:
         if role == "job":
@@ -139,10 +146,8 @@ def _main(argv: list[str]) -> None:
         else:
             train(cfg, run_dir, manage_run_dir=False)  # run under end_rank, which tears the process group down
     except BaseException as e:
-        if role == "job" and isinstance(e, ConfigError):
-            from exp.run_dir import write_status
-
-            write_status(run_dir, "failed", error=str(e))
+        if role == "job":  # a worker's status is its launcher's to write
+            record_stop(run_dir, e)
         exit_on_known_error(e)
         raise
 
@@ -163,6 +168,9 @@ def end_rank(main: Callable[[], object]) -> NoReturn:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except Preempted as e:  # a signal before `main` could handle it (Hydra starting)
+        print(f"exp: {e}", file=sys.stderr)
+        code = REQUEUE_EXIT
     except BaseException:
         traceback.print_exc()
         code = 1

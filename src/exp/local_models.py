@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exp.config import ModelFamily
+from exp.cache_entries import ensure_entry
+from exp.config import ConfigError, ModelFamily
 
 # Gemma's special-token ids (pad 0, eos 1, bos 2, unk 3); the turn markers follow.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -97,25 +96,35 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
     """Return a cached checkpoint dir holding `arch` with random weights drawn from `seed` (built on first use).
 
     `arch` without `vocab_size` gets the local tokenizer's vocabulary (the tiny default); with one, the table has
-    that size and the local tokenizer uses its first ids. Writes go to a temporary directory renamed into place,
-    so a killed build or two concurrent builders never leave a half-written entry.
+    that size and the local tokenizer uses its first ids. The entry is built in a temporary directory renamed into
+    place and verified on every use (`exp.cache_entries`): a killed build, two concurrent builders or a damaged file
+    never leave an entry that loads wrong.
     """
     key = json.dumps({"family": family.value, "arch": arch, "seed": seed, "v": BUILD_VERSION}, sort_keys=True)
     name = f"{family.value}-random-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    target = cache_dir() / "models" / name
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         tokenizer = build_tokenizer(tmp)
         fields = dict(arch)
         fields.setdefault("vocab_size", len(tokenizer))
+        if fields["vocab_size"] < len(tokenizer):
+            raise ConfigError(
+                f"model.arch.vocab_size={fields['vocab_size']}: smaller than the local tokenizer's {len(tokenizer)} "
+                f"tokens, whose ids would index past the embedding. Use model.arch.vocab_size={len(tokenizer)} or "
+                "more, or drop it (the tokenizer's size is the default)"
+            )
         fields.update(pad_token_id=0, eos_token_id=1, bos_token_id=2)
-        config = _config_class(family)(**fields)
-        n_params_guess = fields["vocab_size"] * fields["hidden_size"] + fields["num_hidden_layers"] * (
-            4 * fields["hidden_size"] * fields.get("head_dim", 64) * fields.get("num_attention_heads", 1)
-            + 3 * fields["hidden_size"] * fields["intermediate_size"]
+        try:
+            config = _config_class(family)(**fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"model.arch={arch}: transformers' {_config_class(family).__name__} refuses it ({e}). Fix the "
+                "architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+            ) from None
+        # From the config object: arch may leave any of these to the family's defaults.
+        hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or 64
+        n_params_guess = config.vocab_size * hidden + config.num_hidden_layers * (
+            4 * hidden * head_dim * config.num_attention_heads + 3 * hidden * config.intermediate_size
         )
         # Large shapes are stored in bf16 (as Google ships them); the tiny default in fp32 for exact CPU tests.
         dtype = torch.bfloat16 if n_params_guess > 50_000_000 else torch.float32
@@ -131,7 +140,13 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
                 torch.manual_seed(seed)
                 if build_device == "cuda":
                     torch.cuda.manual_seed(seed)
-                model = _model_class(family)(config)
+                try:
+                    model = _model_class(family)(config)
+                except (RuntimeError, ValueError, ZeroDivisionError) as e:  # shapes that do not fit together
+                    raise ConfigError(
+                        f"model.arch={arch}: building {_model_class(family).__name__} failed ({type(e).__name__}: "
+                        f"{e}). Fix the architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+                    ) from None
         finally:
             torch.set_default_dtype(previous)
         model.save_pretrained(tmp, max_shard_size="5GB")
@@ -139,11 +154,7 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         del model
         if build_device == "cuda":
             torch.cuda.empty_cache()
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first: keep its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return ensure_entry(
+        cache_dir() / "models" / name, build, f"model.random_init checkpoint of model.arch (seed {seed})"
+    )

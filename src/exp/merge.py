@@ -173,7 +173,7 @@ def merge(argv: list[str]) -> dict[str, Any]:
     merged = response_logits(model, batches, device)
 
     # 2. Written beside `out`, then read back with plain transformers.
-    partial = out.with_name(f".{out.name}.partial")
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # per process: two merges never share one
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)

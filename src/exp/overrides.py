@@ -14,7 +14,6 @@ import difflib
 import enum
 import os
 import re
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from exp.config import TrainConfig
-from exp.run_dir import STATUS_FILE, next_free_run_dir
+from exp.run_dir import STATUS_FILE
 
 # Settings people look for under a key that exp derives from, or keeps under, another one.
 _DTYPE = (
@@ -115,8 +114,9 @@ def check_command_line(
     """Problems with `python -m exp.train <argv>` (empty: none), and the arguments to hand Hydra.
 
     `caller`, `config_path`, `config_name`: those of the `@hydra.main` function. Nothing is instantiated, written or
-    run. A run directory that already holds a run (a `status.json`) is not written into: the arguments returned
-    point Hydra at the next free `<dir>_N`, as `exp.run_dir.claim_run_dir` does for the run itself.
+    run. The arguments returned pin a single run's directory (`hydra.run.dir`, its `${now:...}` resolved once), so
+    that the directory the caller claims (`exp.run_dir.claim_run_dir`, which moves to `<dir>_N` when the directory
+    holds a run or another process is claiming it) is the one Hydra writes its record and log into.
     `launch`: this process is one rank of a torchrun / SLURM launch with that id (`exp.run_dir.shared_launch_id`):
     its ranks share the run directory, so none moves to `<dir>_N`; a directory holding another launch's run is
     refused instead.
@@ -157,14 +157,17 @@ def check_command_line(
         problems += target_problems(record)
         record.pop("hydra")
         problems += unknown_keys(record)
+        problems += _secret_value_problems(cfg, record)
     key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
     run_dir = _resolved(configs[0], key)
     if run_dir is not None:
         problems += run_dir_problems(key, run_dir)
     problems = list(dict.fromkeys(problems))  # each sweep choice repeats the problems of the others
-    if problems or mode == RunMode.MULTIRUN or run_dir is None or not (run_dir / STATUS_FILE).exists():
+    if problems or mode == RunMode.MULTIRUN or run_dir is None:
         return problems, argv
-    if launch is not None:
+    if launch is None:
+        return [], with_run_dir(argv, run_dir)
+    if (run_dir / STATUS_FILE).exists():
         from exp.run_dir import read_status
 
         status = read_status(run_dir)
@@ -175,11 +178,14 @@ def check_command_line(
                 "to a new directory together. Pass a new hydra.run.dir, the same for every rank, or continue that "
                 f"run with trainer.resume={run_dir} and a new hydra.run.dir."
             ], argv
-        return [], argv  # another rank of this launch got there first
-    free = next_free_run_dir(run_dir)
-    print(f"exp: {run_dir} already holds a run; this one goes to {free}", file=sys.stderr)
+    return [], argv  # a new directory, or another rank of this launch got there first
+
+
+def with_run_dir(argv: list[str], run_dir: Path) -> list[str]:
+    """`argv` with `hydra.run.dir` set to `run_dir` (quoted for Hydra's override grammar)."""
     keep = [a for a in argv if a.lstrip("+").split("=", 1)[0] != "hydra.run.dir"]
-    return [], [*keep, f'hydra.run.dir="{free}"']
+    quoted = str(run_dir).replace("\\", "\\\\").replace('"', '\\"')
+    return [*keep, f'hydra.run.dir="{quoted}"']
 
 
 def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mode: Any) -> list:
@@ -230,6 +236,28 @@ def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mod
     return configs
 
 
+# Hydra settings whose resolved values become directory and file names (and so reach every record of the run).
+NAMED_BY_HYDRA = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.job.name")
+
+
+def _secret_value_problems(cfg: Any, record: dict[str, Any]) -> list[str]:
+    """Keys whose resolved value is a secret environment variable's: of the training config, and of the Hydra
+    settings that name the run's directories and files."""
+    from exp.tracking import secret_value_problems
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(record), resolve=True)
+    except Exception:  # noqa: BLE001 (an interpolation only Hydra can resolve: the typed config checks it again)
+        resolved = record
+    named = {}
+    for key in NAMED_BY_HYDRA:
+        try:
+            named[key] = OmegaConf.select(cfg, key)
+        except Exception:  # noqa: BLE001 (${hydra:...}: resolvable only once Hydra runs the job)
+            continue
+    return secret_value_problems(resolved) + secret_value_problems(named, "the run directory's name")
+
+
 def _resolved(cfg: Any, key: str) -> Path | None:
     try:
         value = OmegaConf.select(cfg, key)
@@ -239,7 +267,8 @@ def _resolved(cfg: Any, key: str) -> Path | None:
 
 
 def run_dir_problems(key: str, path: Path) -> list[str]:
-    """A run (or sweep) directory that cannot be created: it, or a directory above it, is an existing file."""
+    """A run (or sweep) directory that cannot be created: it, or a directory above it, is an existing file, or the
+    nearest existing directory cannot be written (permissions, a read-only file system)."""
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():
             below = "" if p == path else "/" + str(path.relative_to(p))
@@ -247,6 +276,14 @@ def run_dir_problems(key: str, path: Path) -> list[str]:
                 f"{key}={path}: {p} is an existing file, not a directory: a run directory cannot be created "
                 f"{'there' if p == path else 'below it'}. Pass a new directory, e.g. {key}={p}_run{below}."
             ]
+        if p.is_dir():
+            if not os.access(p, os.W_OK | os.X_OK):
+                return [
+                    f"{key}={path}: {p} cannot be written (permissions, or a read-only file system), so the run "
+                    f"directory cannot be {'written' if p == path else 'created'}. Pass a directory you can write, "
+                    f"e.g. {key}=$HOME/exp-runs/{path.name}."
+                ]
+            break
     return []
 
 

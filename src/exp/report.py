@@ -1,7 +1,8 @@
 """`python -m exp.report <sweep dir or run dirs> [--out DIR] [--metric val/loss]`: one table and plots for a study.
 
 Reads only what every run leaves on disk (status.json, summary.json, csv/metrics.csv, .hydra/overrides.yaml), so it
-works while a sweep is running (unfinished jobs show as `running`) and after jobs failed (`failed` with the error).
+works while a sweep is running (unfinished jobs show as `running`, or `interrupted` once no process runs them) and
+after jobs failed (`failed` with the error).
 Writes report.md, report.csv and PNG plots (loss curves of all jobs; the metric against each swept parameter).
 """
 
@@ -16,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exp.run_dir import read_status
+from exp.run_dir import read_status, run_state
 
 
 @dataclass
@@ -62,7 +63,7 @@ def _overrides(run: Path) -> dict[str, str]:
 
 def read_run(run: Path, metric: str) -> JobRow:
     status = read_status(run)
-    row = JobRow(run.name, run, status.get("status", "running"), _overrides(run), error=status.get("error", ""))
+    row = JobRow(run.name, run, run_state(run), _overrides(run), error=status.get("error", ""))
     metrics_csv = run / "csv" / "metrics.csv"
     if metrics_csv.exists():
         values = []
@@ -124,7 +125,7 @@ def _job_label(name: str) -> str:
 
 def sort_rows(rows: list[JobRow]) -> list[JobRow]:
     """Completed jobs by the metric (lower first), then running, then failed."""
-    order = {"completed": 0, "running": 1}
+    order = {"completed": 0, "running": 1, "interrupted": 1}
     return sorted(rows, key=lambda r: (order.get(r.status, 2), r.final if r.final is not None else math.inf, r.name))
 
 

@@ -1,9 +1,15 @@
 """Which checkpoint a run continues from (`trainer.resume`).
 
 `auto` looks for the newest unfinished run with the same config (same model, data, LoRA, hardware and algorithm;
-tracking and resume settings may differ) among the run directories near this one: the siblings of this run's
-directory and of its parent (`outputs/<date>/<time>`, a sweep's `<job>` and `<job>_1`), and `outputs/` under the
-launch directory. A run directory or a `.ckpt` file names the checkpoint directly.
+tracking and resume settings may differ), in two places only: the run directories next to this run's (the
+siblings of `outputs/<date>/<time>`, of a sweep's `<job>` and `<job>_1`, of a flat `hydra.run.dir`), and, when this
+run's directory is Hydra's default `<root>/<date>/<time>`, the `<date>/<time>` runs of every other date under
+`<root>`. A run directory or a `.ckpt` file names the checkpoint directly.
+
+A run and its continuations (each continuation's `resume.json` names the run it continued) are one piece of work:
+`auto` skips it when any of them completed, and when any of them is in use by another process (running, or being
+continued: `exp.run_dir` locks). The continuing process holds the lock of the run whose checkpoint it took, so two
+continuations of one run cannot both start.
 
 The continuing run gets a directory of its own (nothing the interrupted run wrote is touched) and records where it
 came from; its next `trainer.resume=auto` finds it, since it is then the newest.
@@ -11,7 +17,9 @@ came from; its next `trainer.resume=auto` finds it, since it is then the newest.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +28,7 @@ from omegaconf import OmegaConf
 
 from exp.checkpoints import candidates, first_intact
 from exp.config import ConfigError, TrainConfig
-from exp.run_dir import read_status
+from exp.run_dir import RESUME_RECORD, in_use, lock_run, read_status
 
 log = logging.getLogger("exp.resume")
 
@@ -85,32 +93,80 @@ def _recorded_config(run_dir: Path) -> dict | None:
         return None
 
 
-def _nearby_runs(output_dir: Path, launch_dir: Path) -> list[Path]:
-    roots = {output_dir.parent, output_dir.parent.parent, launch_dir / "outputs"}
-    runs = set()
-    for root in roots:
-        if root.is_dir():
-            for pattern in ("*/config.yaml", "*/*/config.yaml"):
-                runs.update(p.parent.resolve() for p in root.glob(pattern))  # resolved: a symlink is one run
-    runs.discard(output_dir.resolve())
-    return list(runs)
+# Hydra's default run directory, `outputs/<date>/<time>` (`_N` for a second launch in the same second).
+DATE_DIR = re.compile(r"\d{4}-\d{2}-\d{2}")
+TIME_DIR = re.compile(r"\d{2}-\d{2}-\d{2}(_\d+)?")
+
+
+def search_places(output_dir: Path) -> list[Path]:
+    """The run directories `auto` considers: this run's siblings, and with Hydra's dated layout the runs of every
+    date under the same root. Never anything above that."""
+    parent = output_dir.parent
+    if DATE_DIR.fullmatch(parent.name) and TIME_DIR.fullmatch(output_dir.name):
+        dates = [d for d in parent.parent.iterdir() if d.is_dir() and DATE_DIR.fullmatch(d.name)]
+        runs = [r for d in dates for r in d.iterdir() if TIME_DIR.fullmatch(r.name)]
+    else:
+        runs = list(parent.iterdir()) if parent.is_dir() else []
+    here = output_dir.resolve()
+    return sorted({r.resolve() for r in runs if r.is_dir() and (r / "config.yaml").is_file()} - {here})
+
+
+def _continued(run_dir: Path) -> Path | None:
+    """The run `run_dir` continued, from its resume.json."""
+    try:
+        return Path(json.loads((run_dir / RESUME_RECORD).read_text())["run"]).resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _pieces_of_work(runs: list[Path]) -> list[list[Path]]:
+    """`runs` grouped: a run with its continuations (and theirs), as linked by resume.json."""
+    group = {r: r for r in runs}
+
+    def root(r: Path) -> Path:
+        while group[r] != r:
+            r = group[r]
+        return r
+
+    for r in runs:
+        if (before := _continued(r)) in group:
+            group[root(r)] = root(before)
+    pieces: dict[Path, list[Path]] = {}
+    for r in runs:
+        pieces.setdefault(root(r), []).append(r)
+    return list(pieces.values())
 
 
 def _newest_checkpoint_time(run_dir: Path) -> float:
     return max((p.stat().st_mtime for p in candidates(run_dir)), default=0.0)
 
 
-def find_auto(cfg_dict: dict, output_dir: Path, launch_dir: Path) -> Path | None:
-    """The newest unfinished run with this config that has a checkpoint, or None."""
-    matches = []
-    for run in _nearby_runs(output_dir, launch_dir):
+def find_auto(cfg_dict: dict, output_dir: Path) -> Path | None:
+    """The run to continue (locked by this process), or None: in the newest piece of work with this config that
+    has a checkpoint, no completed run, and no run in use by another process, the run with the newest checkpoint."""
+    matching = []
+    for run in search_places(output_dir):
         recorded = _recorded_config(run)
-        if recorded is None or read_status(run).get("status") == "completed" or not candidates(run):
+        if recorded is None:
             continue
         same_length = recorded.get("trainer", {}).get("max_steps") == cfg_dict["trainer"]["max_steps"]
         if same_length and not config_differences(recorded, cfg_dict):
-            matches.append(run)
-    return max(matches, key=_newest_checkpoint_time, default=None)
+            matching.append(run)
+    options = []
+    for piece in _pieces_of_work(matching):
+        done = [r for r in piece if read_status(r).get("status") == "completed"]
+        busy = [r for r in piece if in_use(r)]
+        with_checkpoints = [r for r in piece if candidates(r)]
+        if done:
+            log.info("trainer.resume=auto: %s completed; not continued again", done[0])
+        elif busy:
+            log.info("trainer.resume=auto: %s is in use by another process (running, or being continued)", busy[0])
+        elif with_checkpoints:
+            options.append(max(with_checkpoints, key=_newest_checkpoint_time))
+    for run in sorted(options, key=_newest_checkpoint_time, reverse=True):
+        if lock_run(run, create=False):  # another process may have taken it since it was looked at
+            return run
+    return None
 
 
 def resolve(cfg: TrainConfig, cfg_dict: dict, output_dir: Path, launch_dir: Path) -> ResumePoint | None:
@@ -119,7 +175,7 @@ def resolve(cfg: TrainConfig, cfg_dict: dict, output_dir: Path, launch_dir: Path
     if not t.resume:
         return None
     if t.resume == "auto":
-        run = find_auto(cfg_dict, output_dir, launch_dir)
+        run = find_auto(cfg_dict, output_dir)
         if run is None:
             log.info("trainer.resume=auto: no unfinished run with this config and a checkpoint; starting fresh")
             return None
@@ -142,6 +198,12 @@ def resolve(cfg: TrainConfig, cfg_dict: dict, output_dir: Path, launch_dir: Path
             raise ConfigError(
                 f"trainer.resume={t.resume}: no such file or directory ({target}); name a run directory, a .ckpt "
                 "file, or use trainer.resume=auto"
+            )
+        if not lock_run(run, create=False):
+            raise ConfigError(
+                f"trainer.resume={t.resume}: {run} is in use by another process (it is running, or another run is "
+                "continuing it); two processes cannot continue one run. Wait for it to end (its status.json says how "
+                "it ended), then continue the newest run with trainer.resume=auto."
             )
         recorded = _recorded_config(run)
         if recorded is not None:

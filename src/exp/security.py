@@ -12,10 +12,13 @@ so that Hydra writes nothing first).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
 import sys
+import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +28,145 @@ from omegaconf import DictConfig, OmegaConf
 
 from exp.tracking import REDACTED, SECRET_NAME, redact, redact_argv
 
-# Module prefixes a `_target_` may name: exp itself, Hydra plugins (submitit, Optuna, exp's `gpus` launcher),
-# Hydra's built-in launcher and sweeper, and the samplers the Optuna sweeper builds.
-ALLOWED_TARGETS = ("exp.", "hydra_plugins.", "hydra._internal.core_plugins.", "optuna.samplers.")
-# Handler classes and formatter factories of the logging configs; not logging.config (fileConfig evaluates
-# expressions read from a file).
-ALLOWED_LOGGING = ("logging.", "colorlog.")
-DENIED_LOGGING = ("logging.config.",)
-LOGGING_SECTIONS = ("hydra.job_logging.", "hydra.hydra_logging.")
+# Where Hydra (or logging.config) turns a config value into a callable, what that callable must be: the modules it
+# may be defined in and the class it must derive from. A value is resolved exactly as Hydra resolves it (every
+# attribute step of `a.b.c`), importing only modules of these packages, and then the object it names is checked,
+# not the string: `exp.train.os.symlink` names `os.symlink`, defined in `posix`, whatever its prefix says.
+PLUGINS = ("hydra_plugins", "hydra._internal.core_plugins")
+
+
+@dataclass(frozen=True)
+class Slot:
+    what: str  # for messages
+    modules: tuple[str, ...]  # packages (or modules) the object must be defined in
+    base: str = ""  # "module:Class" the object must be a subclass of; "" with `function`: a plain function
+    function: bool = False
+
+
+CALLBACK = Slot("a Hydra callback", ("exp",), "hydra.experimental.callback:Callback")
+LAUNCHER = Slot("a Hydra launcher", PLUGINS, "hydra.plugins.launcher:Launcher")
+SWEEPER = Slot("a Hydra sweeper", PLUGINS, "hydra.plugins.sweeper:Sweeper")
+SAMPLER = Slot("an Optuna sampler", ("optuna.samplers",), "optuna.samplers:BaseSampler")
+SEARCH_SPACE = Slot("an Optuna search-space function", ("exp",), function=True)
+OTHER_TARGET = Slot("a class", ("exp", *PLUGINS, "optuna.samplers"), "builtins:object")
+# Logging: console and file handlers only (a socket, HTTP or mail handler would send the log elsewhere), formatters
+# and filters. Not logging.config (fileConfig evaluates expressions read from a file).
+HANDLER = Slot("a logging handler", ("logging", "colorlog"), "logging:StreamHandler")
+NULL_HANDLER = Slot("a logging handler", ("logging",), "logging:NullHandler")
+FORMATTER = Slot("a logging formatter", ("logging", "colorlog"), "logging:Formatter")
+FILTER = Slot("a logging filter", ("logging",), "logging:Filter")
+DENIED_MODULES = ("logging.config",)
+LOGGING_SECTIONS = ("hydra.job_logging", "hydra.hydra_logging")
+# What a logging config may import with `ext://` (logging.config imports any module named there).
+EXT_ALLOWED = ("ext://sys.stdout", "ext://sys.stderr")
+# A log file must stay inside the run directory (a FileHandler opened on another path appends to, or with mode w
+# empties, whatever is there).
+LOG_FILE_PREFIXES = ("${hydra.runtime.output_dir}/", "${hydra:runtime.output_dir}/")
 
 log = logging.getLogger(__name__)
 
 
-def _allowed(value: Any, allowed: tuple[str, ...], denied: tuple[str, ...] = ()) -> bool:
-    return isinstance(value, str) and value.startswith(allowed) and not value.startswith(denied)
+class Refused(Exception):
+    """A callable name that must not be imported or run; the message says why."""
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _on_the_way(name: str, packages: tuple[str, ...]) -> bool:
+    """`name` is one of `packages`, inside one, or a package above one (imported on the way to it)."""
+    return _within(name, packages) or any(p.startswith(name + ".") for p in packages)
+
+
+def _import(name: str, packages: tuple[str, ...]) -> Any:
+    if not _on_the_way(name, packages) or _within(name, DENIED_MODULES):
+        raise Refused(f"it would import module {name}")
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 (a missing or broken module: Hydra would fail on it too)
+        raise Refused(f"module {name} cannot be imported ({type(e).__name__}: {e})") from None
+
+
+def locate(path: Any, slot: Slot) -> Any:
+    """The object Hydra's `_locate(path)` returns, found without importing anything outside `slot.modules`, and
+    checked: defined in one of them and of the slot's kind. Raises Refused."""
+    if not isinstance(path, str) or not path:
+        raise Refused(f"it is not a dotted name but {path!r}")
+    if "${" in path:
+        raise Refused("a callable name may not be an interpolation (it would be resolved only when Hydra runs)")
+    parts = path.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise Refused("it is not a dotted Python name")
+    obj = _import(parts[0], slot.modules)
+    for i in range(1, len(parts)):
+        dotted = ".".join(parts[: i + 1])
+        if hasattr(obj, parts[i]):  # Hydra tries the attribute first, then a submodule
+            obj = getattr(obj, parts[i])
+        elif isinstance(obj, types.ModuleType):
+            obj = _import(dotted, slot.modules)
+        else:
+            raise Refused(f"{'.'.join(parts[:i])} has no attribute {parts[i]}")
+        if isinstance(obj, types.ModuleType) and not _on_the_way(obj.__name__, slot.modules):
+            step = "it reaches" if dotted == obj.__name__ else f"{dotted} is"
+            raise Refused(f"{step} module {obj.__name__}, outside the allowed packages")
+    return _checked(obj, slot)
+
+
+def _checked(obj: Any, slot: Slot) -> Any:
+    if isinstance(obj, types.ModuleType):
+        raise Refused(f"it names module {obj.__name__}, not {slot.what}")
+    module = getattr(obj, "__module__", None) or ""
+    if not _within(module, slot.modules) or _within(module, DENIED_MODULES):
+        raise Refused(f"it names {getattr(obj, '__qualname__', obj)!s}, defined in {module or 'no module'}")
+    if slot.function:
+        if not isinstance(obj, types.FunctionType):
+            raise Refused(f"it names {type(obj).__name__} {obj!r}, not {slot.what}")
+        return obj
+    base_module, base_name = slot.base.split(":")
+    base = getattr(importlib.import_module(base_module), base_name)
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise Refused(f"it names {getattr(obj, '__qualname__', obj)!s}, which is not {slot.what} ({slot.base})")
+    return obj
+
+
+def _allowed_text(slot: Slot) -> str:
+    kind = "a function" if slot.function else f"a subclass of {slot.base.replace(':', '.')}"
+    return f"{slot.what} ({kind}) defined in {', '.join(m + '.*' for m in slot.modules)}"
+
+
+def _target_slot(where: str) -> Slot:
+    parent = where.rsplit(".", 1)[0]
+    if parent.startswith("hydra.callbacks.") and parent.count(".") == 2:
+        return CALLBACK
+    return {"hydra.launcher": LAUNCHER, "hydra.sweeper": SWEEPER, "hydra.sweeper.sampler": SAMPLER}.get(
+        parent, OTHER_TARGET
+    )
+
+
+def _logging_slot(where: str) -> Slot | None:
+    """The kind of object a `class` / `()` key of a logging config makes; None where logging.config makes none."""
+    parts = where.split(".")
+    section = parts[2] if len(parts) == 5 else ""
+    return {"handlers": HANDLER, "formatters": FORMATTER, "filters": FILTER}.get(section)
 
 
 def target_problems(config: dict[str, Any]) -> list[str]:
-    """One paragraph per callable the config names outside the allow-list (`config`: the composed config with its
-    `hydra` node, as plain containers, unresolved)."""
+    """One paragraph per callable the config names outside what may be instantiated (`config`: the composed config
+    with its `hydra` node, as plain containers, unresolved). Nothing named is run; only the packages a slot allows
+    are imported to resolve a name."""
     problems = []
+
+    def check(where: str, parent: str, value: Any, slot: Slot | None) -> None:
+        try:
+            if slot is None:
+                raise Refused("logging.config would call it, and only handlers, formatters and filters may be made")
+            if slot is HANDLER and value in ("logging.NullHandler",):
+                slot = NULL_HANDLER
+            locate(value, slot)
+        except Refused as why:
+            allowed = _allowed_text(slot) if slot is not None else "nothing here"
+            problems.append(_refusal(where, value, parent, f"{why}; only {allowed} may be named there"))
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, list):
@@ -52,29 +174,56 @@ def target_problems(config: dict[str, Any]) -> list[str]:
                 walk(item, f"{path}[{i}]")
             return
         if not isinstance(node, dict):
+            in_logging = _within(path.split("[")[0], LOGGING_SECTIONS)
+            if in_logging and isinstance(node, str) and node.startswith("ext://") and node not in EXT_ALLOWED:
+                parent = path.rsplit(".", 1)[0]
+                rule = f"logging.config imports what ext:// names, and only {', '.join(EXT_ALLOWED)} may be named"
+                problems.append(_refusal(path, node, parent, rule))
             return
         for key, value in node.items():
             where = f"{path}.{key}" if path else str(key)
-            if key == "_target_" and not _allowed(value, ALLOWED_TARGETS):
-                allowed = ", ".join(p + "*" for p in ALLOWED_TARGETS)
-                problems.append(_refusal(where, value, path, f"only these may be instantiated: {allowed}"))
-            elif (
-                key in ("class", "()")
-                and where.startswith(LOGGING_SECTIONS)
-                and not _allowed(value, ALLOWED_LOGGING, DENIED_LOGGING)
-            ):
-                problems.append(_refusal(where, value, path, "a logging handler or formatter must come from logging.*"))
+            logging_key = _within(where, LOGGING_SECTIONS)
+            if key == "_target_":
+                check(where, path, value, _target_slot(where))
+            elif where == "hydra.sweeper.custom_search_space" and value is not None:
+                check(where, where, value, SEARCH_SPACE)
+            elif logging_key and key in ("class", "()"):
+                check(where, path, value, _logging_slot(where))
+            elif logging_key and key == "filename" and not _inside_run_dir(value):
+                rule = f"a log file must be inside the run directory (start with {LOG_FILE_PREFIXES[0]})"
+                problems.append(_refusal(where, value, path, rule, callable_=False))
             walk(value, where)
 
     walk(config, "")
+    subdir = config.get("hydra", {}).get("output_subdir")
+    if subdir is not None:
+        problems.append(
+            f"hydra.output_subdir={subdir}: Hydra would write its own record of the run there, command-line overrides "
+            "and hydra.job.env_set values verbatim (secrets included), before exp's redacted record replaces it. exp "
+            "writes the record itself, redacted, to <run dir>/.hydra/. Fix: drop the override (the default is null)."
+        )
+    job_name = str(config.get("hydra", {}).get("job", {}).get("name") or "")
+    if "/" in job_name or job_name.startswith("."):
+        problems.append(
+            f"hydra.job.name={job_name}: it names the log file (<run dir>/<job name>.log), so it must be a plain name "
+            "without '/' or a leading '.'. Fix: drop the override, or use e.g. hydra.job.name=train."
+        )
     return problems
 
 
-def _refusal(key: str, value: Any, parent: str, rule: str) -> str:
+def _inside_run_dir(filename: Any) -> bool:
     return (
-        f"{key}={value}: the config names a callable that Hydra would import and run, and {rule}. Nothing has been "
-        f"run. Fix: remove {parent or 'it'} (drop the override or the YAML lines that set it, or add ~{parent}), or "
-        "name an allowed class."
+        isinstance(filename, str)
+        and filename.startswith(LOG_FILE_PREFIXES)
+        and ".." not in Path(filename.split("}", 1)[1]).parts
+    )
+
+
+def _refusal(key: str, value: Any, parent: str, rule: str, callable_: bool = True) -> str:
+    what = "names a callable that Hydra would import and run" if callable_ else "is refused"
+    return (
+        f"{key}={value}: the config {what}, and {rule}. Nothing has been run. Fix: remove {parent or 'it'} (drop the "
+        f"override or the YAML lines that set it, or add ~{parent}), or name an allowed one."
     )
 
 
@@ -98,7 +247,7 @@ def secret_values(overrides: list[str]) -> list[str]:
 
 def _write_yaml(path: Path, data: Any) -> None:
     """Atomically: a reader sees the previous file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two launches never share one
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(data)))
     os.replace(tmp, path)
 

@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +24,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from exp.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.overrides import check_cli_overrides, check_command_line
-from exp.run_dir import LAUNCH_ID_ENV, claim_run_dir, new_run_dir, shared_launch_id, write_json, write_status
+from exp.run_dir import (
+    LAUNCH_ID_ENV,
+    RESUME_RECORD,
+    claim_run_dir,
+    lock_run,
+    new_run_dir,
+    release_run,
+    release_runs,
+    shared_launch_id,
+    write_json,
+    write_status,
+)
 
 log = logging.getLogger("exp.train")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -52,22 +65,28 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
+    from exp.signals import GUARD, Preempted
     from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
     from exp.trainer import build_trainer
 
     quiet_third_party_logs()
     started = time.time()
     config = config_dict(cfg)
-    if manage_run_dir:
-        write_run_config(cfg, output_dir)
-        write_status(output_dir, "running")
+    with GUARD.shielded():
+        if manage_run_dir:
+            write_run_config(cfg, output_dir)
+            write_status(output_dir, "running")
     resume = read_resume_record(output_dir)
     loggers: list = []
     ok = preempted = False
     try:
+        GUARD.stop_now()  # a signal that arrived while the run was being recorded
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+        GUARD.phase = "model build"
         tokenizer = build_tokenizer(cfg.model)
+        GUARD.phase = "data preparation"
         datamodule = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
+        GUARD.phase = "start-up"
         module = QLoRAModule(cfg)
         checkpoint = Path(resume["checkpoint"]) if resume else None
         if resume:
@@ -89,6 +108,7 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
             from exp.faults import oom_diagnosis
 
             raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
+        GUARD.phase = "saving the results"
         adapter_dir = output_dir / "adapter"
         result = TrainResult(
             output_dir,
@@ -100,42 +120,63 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         )
         replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
         placements = module.gather_placements()
-        save_adapter(module, trainer, adapter_dir)
-        if trainer.is_global_zero:
-            tokenizer.save_pretrained(adapter_dir)
-            summary = {
-                "steps": trainer.global_step,
-                "seconds": round(time.time() - started, 1),
-                "initial_val": result.initial_val,
-                "final_val": result.final_val,
-                "chance_token_accuracy": result.chance_token_accuracy,
-                **module.throughput_summary(),
-                "device": str(module.device),
-                "world_size": trainer.world_size,
-                "replica_adapter_checksums": replicas_agree,
-                "placement_per_rank": placements,
-                "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
-                "skipped_steps": module.skipped_steps,
-                "resumed_from": resume,
-                "data": datamodule.stats,
-            }
-            write_json(output_dir / "summary.json", summary)
-            print_summary(summary, output_dir)
-            if cfg.logger.log_adapter:
-                log_adapter_artifact(loggers, adapter_dir, run_name)
-        ok = True
+        GUARD.stop_now()  # the last moment to stop: from here the run finishes (seconds) whatever arrives
+        # The results are written whole: a signal from here on is noted, and the run completes first.
+        with GUARD.shielded():
+            save_adapter(module, trainer, adapter_dir, tokenizer)
+            if trainer.is_global_zero:
+                summary = {
+                    "steps": trainer.global_step,
+                    "seconds": round(time.time() - started, 1),
+                    "initial_val": result.initial_val,
+                    "final_val": result.final_val,
+                    "chance_token_accuracy": result.chance_token_accuracy,
+                    **module.throughput_summary(),
+                    "device": str(module.device),
+                    "world_size": trainer.world_size,
+                    "replica_adapter_checksums": replicas_agree,
+                    "placement_per_rank": placements,
+                    "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
+                    "skipped_steps": module.skipped_steps,
+                    "resumed_from": resume,
+                    "data": datamodule.stats,
+                }
+                write_json(output_dir / "summary.json", summary)
+                print_summary(summary, output_dir)
+                if cfg.logger.log_adapter:
+                    log_adapter_artifact(loggers, adapter_dir, run_name)
+            ok = True
         return result
     except BaseException as e:
-        from exp.preemption import Preempted
-
-        preempted = isinstance(e, Preempted)
-        if manage_run_dir:
-            write_status(output_dir, "preempted" if preempted else "failed", error=f"{type(e).__name__}: {e}")
+        with GUARD.shielded():
+            stop = e if isinstance(e, Preempted) else None
+            if stop is None and GUARD.received is not None and not isinstance(e, ConfigError):
+                # Failed after a signal: a process group's signal also ends the run's DataLoader workers, and the
+                # next batch then fails. The signal is what stopped the run.
+                stop = Preempted(GUARD.received, phase=GUARD.phase)
+            preempted = stop is not None
+            if stop is not None and stop.checkpoint is None:  # stopped outside the training loop: where to go on from
+                stop.checkpoint = newest_checkpoint(output_dir, resume)
+            if manage_run_dir:
+                error = f"Preempted: {stop}" if stop is not None else f"{type(e).__name__}: {e}"
+                write_status(output_dir, "preempted" if preempted else "failed", error=error)
+        if stop is not None and stop is not e:
+            raise stop from e
         raise
     finally:
-        finish_loggers(loggers, ok, preempted)
-        if ok and manage_run_dir:
-            write_status(output_dir, "completed")
+        with GUARD.shielded():
+            finish_loggers(loggers, ok, preempted)
+            if ok and manage_run_dir:
+                write_status(output_dir, "completed")
+        if ok and GUARD.received is not None and not GUARD.acted:
+            name = signal.Signals(GUARD.received).name
+            print(f"exp: {name} arrived while the results were being saved; the run completed first", flush=True)
+
+
+def newest_checkpoint(output_dir: Path, resume: dict | None) -> Path | None:
+    """Where a run stopped outside its training loop goes on from: its newest checkpoint, or the one it continued."""
+    found = _last_good_checkpoint(output_dir, Path(resume["checkpoint"]) if resume else None)
+    return Path(found) if found else None
 
 
 def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | None:
@@ -144,9 +185,6 @@ def _last_good_checkpoint(output_dir: Path, resumed_from: Path | None) -> str | 
 
     found = candidates(output_dir)
     return str(found[0]) if found else (str(resumed_from) if resumed_from else None)
-
-
-RESUME_RECORD = "resume.json"
 
 
 def read_resume_record(run_dir: Path) -> dict | None:
@@ -168,19 +206,30 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     return OmegaConf.to_object(merged)
 
 
-def save_adapter(module, trainer, adapter_dir: Path) -> None:
-    """Write the adapter in PEFT's format from rank 0; under FSDP every rank takes part in gathering it first."""
+def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
+    """Write the adapter in PEFT's format (and the tokenizer) from rank 0; under FSDP every rank takes part in
+    gathering it first. Written into a temporary directory renamed into place: `adapter/` is whole or absent."""
+    import shutil
+
     from exp.config import Strategy
 
+    tmp = adapter_dir.with_name(f".{adapter_dir.name}.{os.getpid()}.partial")
     if module.cfg.hardware.strategy == Strategy.fsdp:
         from exp.fsdp import gather_trainable, save_peft_adapter
 
         full = gather_trainable(trainer.strategy.model, module)
         if trainer.is_global_zero:
-            save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, adapter_dir)
+            save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)
+    elif trainer.is_global_zero:
+        module.model.save_pretrained(tmp)  # adapter_config.json + safetensors
+    if not trainer.is_global_zero:
         return
-    if trainer.is_global_zero:
-        module.model.save_pretrained(adapter_dir)  # adapter_config.json + safetensors
+    try:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        os.replace(tmp, adapter_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def print_summary(s: dict, output_dir: Path) -> None:
@@ -200,7 +249,11 @@ def print_summary(s: dict, output_dir: Path) -> None:
 
 
 def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
+    from exp.tracking import secret_value_problems
+
     cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
+    if problems := secret_value_problems(config_dict(cfg)):
+        raise ConfigError("\n".join(problems))
     return resolve_paths(cfg, launch_dir)
 
 
@@ -222,8 +275,8 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
 def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
     """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
     from exp.launch import close_process_group, launch_workers, needs_launch
-    from exp.preemption import REQUEUE_EXIT
     from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+    from exp.signals import REQUEUE_EXIT
 
     check = run_preflight(cfg)
     for note in check.notes:
@@ -246,7 +299,11 @@ def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) 
     rc = launch_workers(cfg, output_dir)
     summary_path = output_dir / "summary.json"
     if rc == REQUEUE_EXIT:
-        write_status(output_dir, "preempted", error="stopped by a signal; checkpoint in checkpoints/last.ckpt")
+        checkpoint = newest_checkpoint(output_dir, read_resume_record(output_dir))
+        where = f"checkpoint {checkpoint}" if checkpoint else "before any checkpoint: nothing to resume"
+        write_status(
+            output_dir, "preempted", error=f"Preempted: the worker processes were stopped by a signal; {where}"
+        )
         sys.exit(rc)
     if rc != 0 or not summary_path.exists():
         write_status(output_dir, "failed", error=f"a worker process exited with status {rc}")
@@ -272,31 +329,58 @@ def main(dcfg: DictConfig) -> float:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
     output_dir = Path(hydra_cfg.runtime.output_dir)
     # The ranks of a torchrun / SLURM launch share their run directory (checked by `cli`); one process claims its own.
-    output_dir = output_dir if os.environ.get(LAUNCH_ID_ENV) else claim_run_dir(output_dir)
+    if os.environ.get(LAUNCH_ID_ENV):
+        lock_run(output_dir)  # rank 0 holds the launch's lock: the run is in use while it runs
+    else:
+        output_dir = claim_run_dir(output_dir)  # claimed by `cli` already, unless main is called another way
     launch_dir = Path(hydra.utils.get_original_cwd())
     try:
         cfg = to_typed(dcfg, launch_dir)
         result = execute(cfg, output_dir, launch_dir)
     except BaseException as e:
-        if isinstance(e, ConfigError):
-            write_status(output_dir, "failed", error=str(e))
+        record_stop(output_dir, e)
         exit_on_known_error(e)
         raise
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
 
 
+def record_stop(run_dir: Path, e: BaseException) -> None:
+    """The status of a run that stopped outside `train` (which records its own): a bad config, or a signal during
+    start-up or the preflight."""
+    from exp.run_dir import read_status
+    from exp.signals import GUARD, Preempted
+
+    with GUARD.shielded():
+        if isinstance(e, ConfigError):
+            write_status(run_dir, "failed", error=str(e))
+        elif isinstance(e, Preempted) and read_status(run_dir).get("status") != "preempted":
+            e.checkpoint = e.checkpoint or newest_checkpoint(run_dir, read_resume_record(run_dir))
+            write_status(run_dir, "preempted", error=f"Preempted: {e}")
+
+
 def exit_on_known_error(e: BaseException) -> None:
     """Bad input, a fault during training or a preemption: print its message (no traceback) and exit with its
     status (2: configuration, 1: training fault, 75: preempted, requeue). Anything else returns (and is raised)."""
+    from exp.tracking import mask_secrets
+
     if isinstance(e, ConfigError):
-        print(f"exp: error: {e}", file=sys.stderr)
+        print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(2)
     # Imported only now: a configuration error should not pay for importing torch and Lightning.
     from exp.faults import TrainingFault
-    from exp.preemption import REQUEUE_EXIT, Preempted
+    from exp.signals import REQUEUE_EXIT, Preempted
 
     if isinstance(e, TrainingFault):
-        print(f"exp: error: {e}", file=sys.stderr)
+        print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
+        sys.exit(1)
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        # The disk, not the run: every file is written atomically, so what was written before is intact.
+        print(
+            f"exp: error: {e.strerror} while writing {e.filename or 'the run directory'}. Nothing written before was "
+            "lost (files are replaced whole). Free space (or use a writable disk: hydra.run.dir=...), then continue "
+            "with trainer.resume=auto.",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if isinstance(e, Preempted):
         print(f"exp: {e}", file=sys.stderr)
@@ -311,6 +395,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     """
     from exp.launch import run_job_process
     from exp.run_dir import read_status
+    from exp.signals import GUARD, REQUEUE_EXIT, Preempted
 
     hydra_cfg = HydraConfig.get()
     # A job retried in an earlier launch (`<job>_1`, ...: failed, or preempted and resumed) may have completed there.
@@ -324,6 +409,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
         cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
     except ConfigError as e:
         write_status(run_dir, "failed", error=str(e))
+        release_run(run_dir)
         log.error("sweep: %s failed: %s", run_dir.name, e)
         return float("inf")
     # W&B: one run per job, named by its overrides, grouped by the sweep.
@@ -331,8 +417,15 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     cfg.logger.group = cfg.logger.group or Path(hydra_cfg.sweep.dir).name
     write_run_config(cfg, run_dir)
     write_status(run_dir, "running")
-    rc = run_job_process(run_dir)
+    try:
+        rc = run_job_process(run_dir)
+    finally:
+        release_run(run_dir)
     status = read_status(run_dir)
+    if rc == REQUEUE_EXIT and status.get("status") == "preempted":
+        # The signal that stopped the job stops the sweep: re-launching it skips the completed jobs.
+        checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
+        raise Preempted(GUARD.received or signal.SIGTERM, checkpoint=checkpoint, phase=f"sweep job {run_dir.name}")
     if rc != 0 or status.get("status") != "completed":
         if status.get("status") != "failed":  # killed before it could say why
             write_status(run_dir, "failed", error=f"the job process exited with status {rc}")
@@ -366,11 +459,38 @@ def compose_config(overrides: list[str], launch_dir: Path | None = None) -> Trai
 def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
     cfg = compose_config(list(overrides or []))
-    out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
-    return execute(cfg, out, Path.cwd())
+    from exp.signals import guarded
+
+    with guarded():
+        out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
+        try:
+            return execute(cfg, out, Path.cwd())
+        except BaseException as e:
+            record_stop(out, e)
+            raise
+        finally:
+            release_runs()  # the run directory and any run it continued: free for the next call
 
 
 def cli() -> None:
+    from exp.signals import GUARD, REQUEUE_EXIT, Preempted
+
+    GUARD.install()  # from the first moment: a signal never kills a run without a word and a true status.json
+    try:
+        _cli()
+    except Preempted as e:  # before Hydra ran `main` (which handles its own)
+        claimed = [Path(a.split("=", 1)[1][1:-1]) for a in sys.argv[1:] if a.startswith('hydra.run.dir="')]
+        if claimed and (claimed[-1] / "status.json").exists():
+            record_stop(claimed[-1], e)
+        elif {"-m", "--multirun"} & set(sys.argv[1:]):
+            e.phase = "the sweep, between jobs (the jobs' own directories say how each ended)"
+        else:
+            e.phase = "start-up, before a run directory was made (nothing was written)"
+        print(f"exp: {e}", file=sys.stderr)
+        sys.exit(REQUEUE_EXIT)
+
+
+def _cli() -> None:
     argv = sys.argv[1:]
     launch = shared_launch_id() if not {"-m", "--multirun"} & set(argv) else None
     if launch is not None:
@@ -389,13 +509,35 @@ def cli() -> None:
     # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
     problems, sys.argv[1:] = check_command_line(argv, __file__, str(CONF_DIR), "train", launch)
     if problems:
-        print("exp: error: " + "\n".join(problems), file=sys.stderr)
+        from exp.tracking import mask_secrets
+
+        print("exp: error: " + mask_secrets("\n".join(problems)), file=sys.stderr)
         sys.exit(2)
     if launch:
         from exp.launch import end_rank
 
         end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
+    sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
     main()
+
+
+def claim_pinned_run_dir(argv: list[str]) -> list[str]:
+    """Claim the run directory `check_command_line` pinned (a sweep pins none) before Hydra writes into it: a
+    directory holding a run, or being claimed by a launch started at the same moment, gives way to `<dir>_N`."""
+    from exp.overrides import with_run_dir
+
+    pinned = [a for a in argv if a.startswith('hydra.run.dir="')]
+    if not pinned:
+        return argv
+    wanted = Path(pinned[-1].split("=", 1)[1][1:-1].replace('\\"', '"').replace("\\\\", "\\"))
+    try:
+        claimed = claim_run_dir(wanted)
+    except ConfigError as e:
+        print(f"exp: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if claimed != wanted:
+        print(f"exp: {wanted} already holds a run; this one goes to {claimed}", file=sys.stderr)
+    return with_run_dir(argv, claimed)
 
 
 if __name__ == "__main__":

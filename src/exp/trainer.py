@@ -113,7 +113,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: b
         logger=loggers or False,
         callbacks=[
             *build_checkpoint_callbacks(cfg, output_dir),
-            PreemptionCheckpoint(output_dir),
+            PreemptionCheckpoint(output_dir, t.checkpoint_every_n_steps),
             StepProgressBar(refresh_rate=10),
             *build_sample_callbacks(cfg, output_dir),
         ],

@@ -1,0 +1,170 @@
+"""Data files that are not what the readers expect: every one is refused with the file, the place in it (line, byte)
+and the fix, never with a decoding traceback; files that are fine but written differently (a byte-order mark, blank
+lines) are read."""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from conftest import compose_typed
+
+from exp.config import ConfigError
+from exp.data import load_examples
+from exp.data_files import CHUNK
+
+ROWS = [{"instruction": f"Say {i}", "input": "", "output": f"{i} é"} for i in range(20)]
+
+
+def jsonl(rows=ROWS) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def csv_text(rows=ROWS, header=("instruction", "input", "output")) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(header))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def replace_line(text: str, number: int, line: str) -> str:
+    lines = text.splitlines()
+    lines[number - 1] = line
+    return "\n".join(lines) + "\n"
+
+
+# name, what to write at data.path (bytes for a file, a dict of name -> bytes for a directory), what the message
+# must say.
+BAD = [
+    ("utf16-jsonl", {"d.jsonl": jsonl().encode("utf-16")}, "is UTF-16 text", "iconv -f UTF-16 -t UTF-8"),
+    ("utf32-jsonl", {"d.jsonl": jsonl().encode("utf-32")}, "is UTF-32 text", "iconv -f UTF-32"),
+    ("latin1-csv", {"d.csv": csv_text().encode("latin-1")}, "is not UTF-8: line 2 (byte 35)", "iconv -f latin1"),
+    ("cp1252-jsonl", {"d.jsonl": jsonl().encode("cp1252")}, "is not UTF-8: line 1", "Save the file as UTF-8"),
+    (
+        "binary-jsonl",
+        {"d.jsonl": b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" * 50},
+        "holds binary data (a NUL byte on line 3, byte 8)",
+        "",
+    ),
+    ("utf16-without-bom", {"d.csv": csv_text().encode("utf-16-le")}, "holds binary data (a NUL byte on line 1", ""),
+    ("truncated-utf8", {"d.jsonl": jsonl().encode()[:-4]}, "ends in the middle of a character", "Save it again"),
+    (
+        "bad-jsonl-line",
+        {"d.jsonl": replace_line(jsonl(), 8, '{"instruction": "x", "output": ').encode()},
+        "d.jsonl: line 8 is not valid JSON",
+        "one JSON object per line",
+    ),
+    ("jsonl-line-a-list", {"d.jsonl": replace_line(jsonl(), 6, "[1, 2]").encode()}, "line 6 is a list", "an object"),
+    ("json-array-broken", {"d.json": json.dumps(ROWS, indent=1)[:-30].encode()}, "not valid JSON: line", "column"),
+    (
+        "csv-row-too-long",
+        {"d.csv": replace_line(csv_text(), 5, "a,b,c,d").encode()},
+        "line 5 has 4 fields, the header 3",
+        "quote fields",
+    ),
+    ("not-parquet", {"d.parquet": b"a,b\n1,2\n"}, "is not a Parquet file", "magic bytes"),
+    (
+        "mixed-columns-jsonl",
+        {"a.jsonl": jsonl().encode(), "b.jsonl": jsonl([{"prompt": "p", "completion": "c"}] * 3).encode()},
+        "the files have different columns (a.jsonl: instruction, input, output; b.jsonl: prompt, completion)",
+        "point data.path at one file",
+    ),
+    (
+        "mixed-columns-csv",
+        {"a.csv": csv_text().encode(), "b.csv": b"prompt,completion\np,c\n"},
+        "the files have different columns",
+        "keep files with the same columns together",
+    ),
+    (
+        "one-json-object",
+        {"d.json": json.dumps({"data": ROWS}, indent=2).encode()},
+        "holds one JSON object, not rows (the rows may be its 'data' list",
+        "a JSON array of objects, or JSONL",
+    ),
+    ("all-empty", {"a.jsonl": b"", "b.jsonl": b"\n  \n"}, "the data is empty (a.jsonl, b.jsonl)", "point data.path"),
+    ("mixed-types", {"a.jsonl": jsonl().encode(), "b.csv": csv_text().encode()}, "mixes file types", "one type"),
+]
+
+
+def write(root: Path, files: dict[str, bytes]) -> Path:
+    root.mkdir()
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root if len(files) > 1 else root / next(iter(files))
+
+
+@pytest.mark.parametrize(("files", "message", "fix"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_a_bad_data_file_is_named_with_the_place_and_the_fix(tmp_path, files, message: str, fix: str):
+    path = write(tmp_path / "data", files)
+    with pytest.raises(ConfigError) as info:
+        load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+    text = str(info.value)
+    assert text.startswith("data.path") and message in text and fix in text, text
+    if path.is_file():
+        assert str(path) in text
+
+
+GOOD = [
+    ("utf8-bom-jsonl", {"d.jsonl": codecs.BOM_UTF8 + jsonl().encode()}),
+    ("utf8-bom-csv", {"d.csv": codecs.BOM_UTF8 + csv_text().encode()}),
+    ("blank-lines", {"d.jsonl": jsonl().replace("\n", "\n\n").encode()}),
+    ("hidden-file-skipped", {"d.jsonl": jsonl().encode(), "._d.jsonl": b"\0\x05\x16\x07binary metadata"}),
+    ("one-empty-file", {"a.jsonl": jsonl().encode(), "b.jsonl": b""}),
+    ("non-ascii", {"d.jsonl": jsonl([{**r, "output": "日本語 ✓"} for r in ROWS]).encode()}),
+]
+
+
+@pytest.mark.parametrize("files", [c[1] for c in GOOD], ids=[c[0] for c in GOOD])
+def test_files_written_differently_are_read(tmp_path, files):
+    path = write(tmp_path / "data", files)
+    rows = load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+    assert len(rows) == 20 and rows[0]["instruction"] == "Say 0"
+
+
+def test_the_check_streams_and_counts_lines_across_chunks(tmp_path):
+    """A bad byte far past the first chunk is found with its line number (the file is read in chunks, once)."""
+    line = json.dumps(ROWS[0]) + "\n"
+    lines = CHUNK // len(line) * 3
+    path = tmp_path / "big.jsonl"
+    path.write_bytes((line * lines).encode() + b'{"instruction": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=rf"line {lines + 1} \(byte {len(line) * lines + 20}\)"):
+        load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+
+
+def test_a_damaged_datasets_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "d.jsonl"
+    path.write_text(jsonl())
+    cfg = compose_typed(["data=alpaca", f"data.path={path}"]).data
+    assert len(load_examples(cfg)) == 20
+    (arrow,) = (tmp_path / "cache" / "datasets").rglob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])  # truncated by a full disk, say
+    with caplog.at_level(logging.WARNING, logger="exp.data"):
+        assert len(load_examples(cfg)) == 20
+    assert "the files are sound; rebuilt its datasets cache entry" in caplog.text
+
+
+def test_the_diagnosis_names_a_type_change_by_line(tmp_path):
+    """What `datasets` reports as 'changed from string to object in row 0' (no file, no line)."""
+    from exp.data_files import diagnose
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(replace_line(jsonl(), 4, json.dumps({"instruction": {"a": 1}, "input": "", "output": "x"})))
+    assert diagnose([path], "data.path") == (
+        f"data.path: {path}: line 4: column 'instruction' is an object, where earlier rows have a string; a column "
+        "holds one type (text fields: strings)"
+    )
+
+
+def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path):
+    fifo = tmp_path / "d.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"not a regular file or a directory \(a pipe, a socket or a device\)"):
+        load_examples(compose_typed(["data=alpaca", f"data.path={fifo}"]).data)

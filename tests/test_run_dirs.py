@@ -1,0 +1,233 @@
+"""Run directories and `trainer.resume=auto`: directories are claimed atomically (simultaneous launches get distinct
+ones), a run in use by a process is locked, and `auto` looks only where docs/resume.md says, never continues a
+run whose continuation completed or that another process is running or continuing.
+
+Runs here are stand-ins (a config.yaml, a status.json, checkpoint file names): which run `auto` picks depends only
+on those. The locks are taken by real processes, synchronised on a line they print once they hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exp.config import ConfigError
+from exp.resume import find_auto, search_places
+from exp.run_dir import release_runs
+
+CONFIG = {"trainer": {"max_steps": 10, "resume": "auto"}, "lora": {"r": 8}}
+
+
+@pytest.fixture(autouse=True)
+def no_locks_left():
+    yield
+    release_runs()
+
+
+def fake_run(path: Path, status: str = "preempted", step: int | None = 5, continues: Path | None = None, **config):
+    """A run directory as exp leaves it: config.yaml, status.json, a periodic checkpoint, a resume.json."""
+    path.mkdir(parents=True)
+    merged = {**CONFIG, **config}
+    (path / "config.yaml").write_text(json.dumps(merged))  # JSON is YAML
+    (path / "status.json").write_text(json.dumps({"status": status}))
+    if step is not None:
+        (path / "checkpoints").mkdir()
+        (path / "checkpoints" / f"step-{step:06d}.ckpt").write_bytes(b"stand-in")
+        time.sleep(0.01)  # distinct modification times: the newest checkpoint decides
+    if continues is not None:
+        (path / "resume.json").write_text(json.dumps({"run": str(continues), "checkpoint": "x", "step": 5}))
+    return path.resolve()
+
+
+def test_auto_looks_at_siblings_of_a_flat_run_dir_and_never_above(tmp_path):
+    """`hydra.run.dir=runs/new`: runs/* only, not the launch directory's other folders (another launch's runs)."""
+    sibling = fake_run(tmp_path / "runs" / "old")
+    fake_run(tmp_path / "elsewhere" / "newer")  # matches too, and is newer: not a place auto looks
+    fake_run(tmp_path / "outputs" / "2026-01-01" / "10-00-00")  # the launch dir's outputs/: not either
+    new = tmp_path / "runs" / "new"
+    assert search_places(new) == [sibling]
+    assert find_auto(CONFIG, new) == sibling
+
+
+def test_auto_in_the_dated_layout_looks_at_every_date_under_the_same_root(tmp_path):
+    root = tmp_path / "outputs"
+    a = fake_run(root / "2026-01-01" / "10-00-00")
+    b = fake_run(root / "2026-01-02" / "09-00-00_1")
+    fake_run(root / "notes" / "10-00-00")  # not a date
+    fake_run(tmp_path / "other-root" / "2026-01-03" / "10-00-00")  # another root
+    assert search_places(root / "2026-01-03" / "12-00-00") == [a, b]
+    assert find_auto(CONFIG, root / "2026-01-03" / "12-00-00") == b  # the newest checkpoint
+
+
+def test_auto_skips_finished_and_different_runs(tmp_path):
+    fake_run(tmp_path / "done", status="completed")
+    fake_run(tmp_path / "other", lora={"r": 16})
+    fake_run(tmp_path / "longer", trainer={"max_steps": 20, "resume": "auto"})
+    fake_run(tmp_path / "no-checkpoint", step=None)
+    assert find_auto(CONFIG, tmp_path / "new") is None
+
+
+def test_a_run_whose_continuation_completed_is_not_continued_again(tmp_path):
+    first = fake_run(tmp_path / "first", status="running")  # killed: it never said otherwise
+    fake_run(tmp_path / "second", status="completed", step=10, continues=first)
+    assert find_auto(CONFIG, tmp_path / "new") is None
+
+
+def test_a_chain_of_continuations_continues_from_its_newest_checkpoint(tmp_path):
+    first = fake_run(tmp_path / "first", step=5)
+    second = fake_run(tmp_path / "second", step=8, continues=first)
+    assert find_auto(CONFIG, tmp_path / "new") == second
+    release_runs()
+    # A continuation that died before its first checkpoint: the run it continued is where to go on from.
+    third = fake_run(tmp_path / "x-third", status="failed", step=None, continues=second)
+    assert third and find_auto(CONFIG, tmp_path / "new") == second
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another process that holds `path`'s run lock (as a running run or a continuation does) until killed."""
+    code = (
+        "import sys, time; from pathlib import Path; from exp.run_dir import lock_run; "
+        "assert lock_run(Path(sys.argv[1]), create=False); print('locked', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_run_in_use_by_another_process_is_never_continued(tmp_path):
+    running = fake_run(tmp_path / "running", status="running")
+    (running / ".lock").touch()
+    holder = hold_lock(running)
+    try:
+        assert find_auto(CONFIG, tmp_path / "new") is None  # auto: skipped
+        from exp.resume import resolve
+        from exp.train import compose_config, config_dict
+
+        cfg = compose_config([f"trainer.resume={running}"])
+        with pytest.raises(ConfigError, match="is in use by another process"):
+            resolve(cfg, config_dict(cfg), tmp_path / "new", tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert find_auto(CONFIG, tmp_path / "new") == running  # the process is gone: its lock with it
+
+
+def test_two_continuations_of_one_run_cannot_both_start(tmp_path):
+    """A run without a .lock (an older run, or one not to be touched) is locked through its directory."""
+    preempted = fake_run(tmp_path / "preempted")
+    assert find_auto(CONFIG, tmp_path / "a") == preempted  # this process continues it, and holds its lock
+    code = (
+        "import json, sys; from pathlib import Path; from exp.resume import find_auto; "
+        "print(find_auto(json.loads(sys.argv[1]), Path(sys.argv[2])))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(CONFIG), str(tmp_path / "b")], capture_output=True, text=True
+    )
+    assert other.stdout.strip() == "None", other.stderr
+    assert not (preempted / ".lock").exists()  # the continued run's files are untouched
+
+
+CLAIM = """
+import sys, time
+from pathlib import Path
+from exp.run_dir import claim_run_dir
+start = Path(sys.argv[2])
+print("ready", flush=True)
+while not start.exists():
+    time.sleep(0.001)
+print(claim_run_dir(Path(sys.argv[1])), flush=True)
+"""
+
+
+def test_simultaneous_claims_get_distinct_directories(tmp_path):
+    start = tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path / "run"), str(start)], stdout=subprocess.PIPE)
+        for _ in range(4)
+    ]
+    assert all(p.stdout.readline() == b"ready\n" for p in procs)  # all imported and waiting: they claim together
+    start.touch()
+    claimed = [p.communicate(timeout=60)[0].decode().strip() for p in procs]
+    assert sorted(claimed) == [str(tmp_path / n) for n in ("run", "run_1", "run_2", "run_3")], claimed
+    for d in claimed:
+        assert json.loads((Path(d) / "status.json").read_text())["status"] == "running"
+
+
+def test_two_clis_started_together_write_into_two_directories(tmp_path):
+    """`python -m exp.train` twice at once, same hydra.run.dir: each its own directory, record and log (both stop
+    at the typed config's check, after the claim)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "exp.train", "lora.r=0", "logger=none", "hydra.run.dir=same"]
+    procs = [
+        subprocess.Popen([*args, f"trainer.seed={i}"], cwd=tmp_path, env=env, stderr=subprocess.PIPE) for i in (1, 2)
+    ]
+    errs = [p.communicate(timeout=120)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    dirs = sorted(p.name for p in tmp_path.iterdir())
+    assert dirs == ["same", "same_1"]
+    seeds = set()
+    for d in dirs:
+        assert json.loads((tmp_path / d / "status.json").read_text())["status"] == "failed"
+        overrides = (tmp_path / d / ".hydra" / "overrides.yaml").read_text()
+        seeds.add(overrides.split("trainer.seed=")[1][0])
+        assert (tmp_path / d / "train.log").exists()
+    assert seeds == {"1", "2"}  # each record is its own run's
+
+
+def test_a_run_dir_that_cannot_be_created_is_refused_clearly(tmp_path, monkeypatch):
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", "hydra.run.dir=/proc/exp-run/x"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "/proc/exp-run/x" in proc.stderr and "cannot be created" in proc.stderr
+    assert "hydra.run.dir=<a writable path>" in proc.stderr
+
+    from exp.overrides import run_dir_problems
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only file system, as root sees it
+    (problem,) = run_dir_problems("hydra.run.dir", tmp_path / "ro" / "run")
+    assert f"{tmp_path} cannot be written (permissions, or a read-only file system)" in problem
+
+
+def test_a_full_disk_is_reported_without_a_traceback(capsys):
+    import errno
+
+    from exp.train import exit_on_known_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/.last.ckpt.7.1.partial")
+    with pytest.raises(SystemExit) as info:
+        exit_on_known_error(full)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "No space left on device while writing /runs/x/checkpoints/.last.ckpt.7.1.partial" in err
+    assert "continue with trainer.resume=auto" in err
+
+
+def test_a_killed_run_reads_as_interrupted_while_a_running_one_reads_as_running(tmp_path):
+    from exp.run_dir import run_state
+
+    killed = fake_run(tmp_path / "killed", status="running")
+    (killed / ".lock").touch()  # it ran with a lock, and no process holds it now
+    assert run_state(killed) == "interrupted" and status_of(killed) == "running"  # its own file is left as it is
+    running = fake_run(tmp_path / "running", status="running")
+    (running / ".lock").touch()
+    holder = hold_lock(running)
+    try:
+        assert run_state(running) == "running"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def status_of(run: Path) -> str:
+    return json.loads((run / "status.json").read_text())["status"]
