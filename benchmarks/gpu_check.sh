@@ -73,7 +73,7 @@ BENCH=(python3 -m exp.bench --out-dir "$WORK/bench")
 run_stage() {
   case $1 in
     tests)
-      stage tests 420 bash -c "python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests 2>&1 | tee $WORK/pytest_gpu.txt" ;;
+      stage tests 420 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests 2>&1 | tee $WORK/pytest_gpu.txt" ;;
     readme)
       mkdir -p "$WORK/readme"
       stage readme 480 bash -c "
