@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose_typed
+from conftest import ROOT, compose_typed
 
 from exp import loss, memory
 from exp.memory import (
@@ -331,3 +331,30 @@ def test_suggest_micro_batch_for_config():
     cfg.hardware.micro_batch_size = b + 1
     assert estimate_for_config(cfg).total > 80 * GiB
     assert suggest_micro_batch(cfg, 1 * GiB) == 0
+
+
+def test_compiled_layers_match_the_h200_bench():
+    """Compiled layers (hardware.compile): the GeGLU saves two T x I tensors instead of three and the norms their
+    c-byte input; against the peaks exp.bench measured on an H200 (benchmarks/results/bench-gemma_7b-2048x8-*)."""
+    import json
+
+    from exp.bench_baseline import ALL_PROJECTIONS
+
+    arch = memory.config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
+    common = dict(quant_type="nf4", double_quant=True, lora_r=16, lora_targets=ALL_PROJECTIONS, micro_batch_size=8,
+                  seq_len=2048, loss_impl="liger", compute_bytes=2)  # fmt: skip
+    eager = estimate_memory(arch, gradient_checkpointing=False, **common)
+    compiled = estimate_memory(arch, gradient_checkpointing=False, compiled=True, **common)
+    t, c = 8 * 2048, 2
+    e_parts, c_parts = eager.details["layer_saved_parts"]["global"], compiled.details["layer_saved_parts"]["global"]
+    assert e_parts["mlp"] - c_parts["mlp"] == c * t * arch["intermediate_size"]
+    assert c_parts["norms"] == 2 * c * t * arch["hidden_size"] and e_parts["norms"] == 2 * 4 * t * arch["hidden_size"]
+    [result] = sorted((ROOT / "benchmarks" / "results").glob("bench-gemma_7b-2048x8-*.json"))[-1:]
+    rows = {r["variant"]: r for r in json.loads(result.read_text())["rows"]}
+    for name, layers in (("exp", 14), ("exp hardware.memory_budget_gib=null", 0)):
+        row = rows[name]
+        assert row["checkpoint_layers"] == layers and row["compile"] is True
+        est = estimate_memory(
+            arch, gradient_checkpointing=layers > 0, checkpoint_layers=layers, compiled=True, **common
+        )
+        assert est.allocated / GiB == pytest.approx(row["peak_memory_gib"], rel=0.01)

@@ -390,10 +390,8 @@ def _resolve_strategy_and_precision(
         return
     from exp.memory import estimate_for_config
 
-    free = min(g.free_bytes for g in used)
-    budget = int(hw.memory_budget_gib * 2**30) if hw.memory_budget_gib is not None else None
-    if budget is not None:
-        free = min(free, budget)
+    budget = _memory_budget(hw, [g.free_bytes for g in used])
+    free = budget.allowed
     if hw.strategy == Strategy.auto:
         replica = estimate_for_config(cfg).total
         if hw.devices == 1:
@@ -408,9 +406,8 @@ def _resolve_strategy_and_precision(
         )
     shards = hw.devices if hw.strategy == Strategy.fsdp else 1
     if hw.strategy == Strategy.model_parallel:
-        free = sum(g.free_bytes for g in used)  # spread over all of them (activations aside)
-        if budget is not None:
-            free = min(free, budget * len(used))
+        budget = _memory_budget(hw, [sum(g.free_bytes for g in used)], len(used))  # spread over all of them
+        free = budget.allowed
     if hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None:
         if os.environ.get(LAUNCH_ID_ENV):
             # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as
@@ -420,11 +417,7 @@ def _resolve_strategy_and_precision(
                 "from the memory they see); every layer recomputes. Choose with hardware.checkpoint_layers=N."
             )
         else:
-            # An explicit budget is the run's own cap: no headroom is taken off it (the estimate's `total` already
-            # counts the CUDA context and the allocator's slack); free memory keeps the headroom.
-            measured = min(g.free_bytes for g in used) * (len(used) if hw.strategy == Strategy.model_parallel else 1)
-            planned = int(measured * (1 - AUTO_CHECKPOINT_HEADROOM))
-            _fit_checkpointing(cfg, min(planned, free) if budget is not None else planned, shards, notes)
+            _fit_checkpointing(cfg, budget, shards, notes)
     estimate = estimate_for_config(cfg, num_shards=shards)
     if estimate.total > free:
         from exp.memory import suggest_micro_batch
@@ -439,32 +432,55 @@ def _resolve_strategy_and_precision(
             Finding(
                 "memory",
                 f"the estimated peak is {estimate.total / 2**30:.1f} GiB per GPU but {free / 2**30:.1f} GiB is "
-                f"{'allowed (hardware.memory_budget_gib, or the free memory)' if budget is not None else 'free'} on "
+                f"{'allowed (hardware.memory_budget_gib, or the free memory)' if budget.capped else 'free'} on "
                 f"{used[0].name}:\n{estimate.as_table()}\nFix: {fix}; or hardware.gradient_checkpointing=true.",
             )
         )
 
 
-def _fit_checkpointing(cfg: TrainConfig, budget: int, shards: int, notes: list[str]) -> None:
-    """hardware.auto_checkpoint_layers: recompute as few decoder layers as fit `budget` (recomputing costs time)."""
+@dataclass
+class _Budget:
+    """The memory a run may plan for, per device: `allowed` for the memory check, `planned` for the choices made by
+    memory, and where `planned` comes from."""
+
+    allowed: int
+    planned: int
+    reason: str
+    capped: bool  # hardware.memory_budget_gib is set
+
+
+def _memory_budget(hw, free: list[int], devices: int = 1) -> _Budget:
+    """From the free memory the process sees (per device, or one total for model parallelism over `devices`).
+
+    An explicit hardware.memory_budget_gib is the run's own cap: no headroom is taken off it (the estimate's `total`
+    already counts the CUDA context and the allocator's slack); the free memory keeps AUTO_CHECKPOINT_HEADROOM.
+    """
+    measured = min(free)
+    planned = int(measured * (1 - AUTO_CHECKPOINT_HEADROOM))
+    reason = f"the free memory less {AUTO_CHECKPOINT_HEADROOM:.0%} headroom"
+    if hw.memory_budget_gib is None:
+        return _Budget(measured, planned, reason, capped=False)
+    cap = int(hw.memory_budget_gib * 2**30) * devices
+    if cap <= planned:
+        planned, reason = cap, f"hardware.memory_budget_gib={hw.memory_budget_gib:g}"
+    return _Budget(min(measured, cap), planned, reason, capped=True)
+
+
+def _fit_checkpointing(cfg: TrainConfig, budget: _Budget, shards: int, notes: list[str]) -> None:
+    """hardware.auto_checkpoint_layers: recompute as few decoder layers as fit the budget (recomputing costs time)."""
     from exp.memory import GiB, config_arch, estimate_for_config, fewest_checkpoint_layers
 
     hw = cfg.hardware
-    k = fewest_checkpoint_layers(cfg, budget, num_shards=shards)
+    k = fewest_checkpoint_layers(cfg, budget.planned, num_shards=shards)
     layers = int(config_arch(cfg)["num_hidden_layers"])
     if k is None:  # nothing fits: recompute everything (as asked), and let the memory check explain
         return
     hw.gradient_checkpointing, hw.checkpoint_layers = k > 0, (k if 0 < k < layers else None)
     est = estimate_for_config(cfg, num_shards=shards).total / GiB
     choice = "none" if k == 0 else "all" if k == layers else f"the first {k}"
-    within = (
-        f"hardware.memory_budget_gib={hw.memory_budget_gib:g}"
-        if hw.memory_budget_gib is not None and budget <= hw.memory_budget_gib * GiB
-        else f"the free memory less {AUTO_CHECKPOINT_HEADROOM:.0%} headroom"
-    )
     notes.append(
         f"hardware.auto_checkpoint_layers: {choice} of {layers} decoder layers recompute their activations "
-        f"(estimated peak {est:.1f} GiB, within {budget / GiB:.1f} GiB: {within})"
+        f"(estimated peak {est:.1f} GiB, within {budget.planned / GiB:.1f} GiB: {budget.reason})"
     )
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.plugins.precision import Precision
 
 from exp.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.config import TrainConfig
-from exp.precision import FusedOptimizerMixedPrecision, build_precision_plugin
+from exp.precision import build_precision_plugin
 from exp.preemption import PreemptionCheckpoint
 from exp.samples import build_sample_callbacks
 
@@ -94,7 +95,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: b
         strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
         # Lightning refuses a precision flag next to a precision plugin: the plugin, where there is one, decides.
-        precision=None if any(isinstance(p, FusedOptimizerMixedPrecision) for p in plugins) else hw.precision,
+        precision=None if any(isinstance(p, Precision) for p in plugins) else hw.precision,
         plugins=plugins,
         max_steps=t.max_steps,
         max_epochs=-1,  # max_steps decides; the training stream never ends (exp.data.TrainStream)
