@@ -113,6 +113,7 @@ def test_memory_estimate_above_free_memory_suggests_a_micro_batch():
             "trainer.global_batch_size=16",
             "data.max_seq_len=2048",
             "lora=all_linear",
+            "hardware.auto_micro_batch=false",
         ]
     )
     result = check(cfg, Environment(gpus=[small], **GPU_ENV))
@@ -130,6 +131,7 @@ def _gemma_7b_on(micro_batch: int, *extra: str):
             f"trainer.global_batch_size={micro_batch}",
             "data.max_seq_len=2048",
             "lora=all_linear",
+            "hardware.auto_micro_batch=false",  # these tests are about the layer choice at a given micro-batch
             *extra,
         ]
     )
@@ -334,7 +336,8 @@ def test_memory_budget_caps_the_checkpointing_choice():
     other jobs, or the footprint of another program)."""
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
-            "hardware.micro_batch_size=8", "trainer.global_batch_size=8", "hardware.compile=true"]  # fmt: skip
+            "hardware.micro_batch_size=8", "trainer.global_batch_size=8", "hardware.compile=true",
+            "hardware.auto_micro_batch=false"]  # fmt: skip
     whole = check(compose_typed(base), env).cfg.hardware
     capped = check(compose_typed([*base, "hardware.memory_budget_gib=60"]), env)
     hw = capped.cfg.hardware
@@ -350,3 +353,41 @@ def test_memory_budget_caps_the_checkpointing_choice():
     assert estimate_for_config(capped.cfg).total > 60 * 2**30
     tight = check(compose_typed([*base, "hardware.memory_budget_gib=5"]), env)
     assert not tight.ok and "allowed (hardware.memory_budget_gib" in str(tight.findings[0])
+
+
+def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
+    """hardware=gpu: the largest micro-batch (dividing the global batch) that fits without recomputed layers, not
+    below AUTO_MICRO_BATCH_MIN_TOKENS tokens; only then layers recompute. The global batch never changes."""
+    from exp.memory import estimate_for_config
+    from exp.preflight import AUTO_MICRO_BATCH_MIN_TOKENS
+
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
+            "trainer.global_batch_size=8", "hardware.compile=true"]  # fmt: skip
+
+    def resolved(*extra: str):
+        result = check(compose_typed([*base, *extra]), env)
+        assert result.ok, result.findings
+        return result
+
+    whole = resolved().cfg  # the whole GPU: all 8 rows in one micro-batch, nothing recomputed
+    assert (whole.hardware.micro_batch_size, whole.hardware.gradient_checkpointing) == (8, False)
+    capped = resolved("hardware.memory_budget_gib=60")
+    hw = capped.cfg.hardware
+    assert (hw.micro_batch_size, hw.gradient_checkpointing, capped.cfg.accumulate_grad_batches) == (4, False, 2)
+    assert estimate_for_config(capped.cfg).total <= 60 * 2**30
+    twice = copy.deepcopy(capped.cfg)
+    twice.hardware.micro_batch_size = 8
+    assert estimate_for_config(twice).total > 60 * 2**30  # the next larger divisor would not fit
+    assert any("hardware.auto_micro_batch: micro-batch 4 x 2048 tokens (was 4), 2 micro-batch(es)" in n
+               for n in capped.notes)  # fmt: skip
+    # Below the token floor the micro-batch stops shrinking and the fewest layers recompute instead.
+    lean = resolved("hardware.memory_budget_gib=15").cfg.hardware
+    assert lean.micro_batch_size * 2048 >= AUTO_MICRO_BATCH_MIN_TOKENS and lean.micro_batch_size == 2
+    assert lean.gradient_checkpointing and 0 < (lean.checkpoint_layers or 28) <= 28
+    # An explicit choice is kept: auto_micro_batch=false (or the CPU, where the preflight does not choose).
+    kept = resolved("hardware.memory_budget_gib=60", "hardware.auto_micro_batch=false",
+                    "hardware.micro_batch_size=8").cfg.hardware  # fmt: skip
+    assert kept.micro_batch_size == 8 and kept.gradient_checkpointing
+    cpu = check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment(torch_cuda=None))
+    assert cpu.ok and cpu.cfg.hardware.micro_batch_size == 4

@@ -177,6 +177,12 @@ class HardwareConfig:
     # layers (possibly none) whose estimated peak (exp.memory) fits the GPU's free memory with
     # AUTO_CHECKPOINT_HEADROOM to spare, and prints its choice. An explicit checkpoint_layers is kept.
     auto_checkpoint_layers: bool = False
+    # GPU: the preflight picks micro_batch_size from the memory estimate (the global batch, and so the optimisation,
+    # stays): the largest divisor of the per-device global batch that fits without recomputing any layer, going no
+    # lower than AUTO_MICRO_BATCH_MIN_TOKENS tokens per micro-batch (below that the fixed per-micro-batch work, e.g.
+    # dequantising every 4-bit weight, dominates); what still does not fit then recomputes the fewest layers
+    # (auto_checkpoint_layers). Recomputing costs ~1/3 of a layer's FLOPs, a smaller micro-batch almost nothing.
+    auto_micro_batch: bool = False
     num_workers: int = 0
     # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
     # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.

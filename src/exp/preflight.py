@@ -35,6 +35,11 @@ PREFLIGHT_EXIT = 3
 # estimator's allocated peak was within +0.6% of the H200 measurements (benchmarks/results/memory_calibration_*),
 # but the caching allocator's fragmentation under pressure has not been measured.
 AUTO_CHECKPOINT_HEADROOM = 0.10
+# hardware.auto_micro_batch goes no lower than this many tokens per micro-batch: below it the work every micro-batch
+# pays whatever its size (dequantising each 4-bit weight in the forward and again in the backward, the kernel
+# launches) outweighs the activations saved. On the H200 a 7B micro-batch of 2,048 x 8 tokens ran at 13,954 tokens/s
+# and real data in micro-batches of ~2,000 tokens at 4,093 (benchmarks/results/bench-gemma_7b-*).
+AUTO_MICRO_BATCH_MIN_TOKENS = 4096
 # CUDA_VISIBLE_DEVICES as it was when this process first ran the preflight with CUDA still uninitialised: if CUDA
 # gets initialised after that and the variable changes (a notebook re-run), torch's cached device list is stale.
 _cvd_before_cuda_init: list[str | None] = []
@@ -408,15 +413,19 @@ def _resolve_strategy_and_precision(
     if hw.strategy == Strategy.model_parallel:
         budget = _memory_budget(hw, [sum(g.free_bytes for g in used)], len(used))  # spread over all of them
         free = budget.allowed
-    if hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None:
-        if os.environ.get(LAUNCH_ID_ENV):
-            # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as
-            # the other ranks start: the ranks could choose differently. exp's own launcher decides once for all.
-            notes.append(
-                "hardware.auto_checkpoint_layers: not applied in a torchrun / SLURM rank (the ranks would each choose "
-                "from the memory they see); every layer recomputes. Choose with hardware.checkpoint_layers=N."
-            )
-        else:
+    auto_layers = hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None
+    if (auto_layers or hw.auto_micro_batch) and os.environ.get(LAUNCH_ID_ENV):
+        # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as the
+        # other ranks start: the ranks could choose differently. exp's own launcher decides once for all.
+        notes.append(
+            "hardware.auto_checkpoint_layers / auto_micro_batch: not applied in a torchrun / SLURM rank (the ranks "
+            f"would each choose from the memory they see); micro-batch {hw.micro_batch_size}, every layer recomputes. "
+            "Choose with hardware.micro_batch_size=N and hardware.checkpoint_layers=N."
+        )
+    else:
+        if hw.auto_micro_batch:
+            _fit_micro_batch(cfg, budget, shards, auto_layers, notes)
+        if auto_layers:
             _fit_checkpointing(cfg, budget, shards, notes)
     estimate = estimate_for_config(cfg, num_shards=shards)
     if estimate.total > free:
@@ -464,6 +473,46 @@ def _memory_budget(hw, free: list[int], devices: int = 1) -> _Budget:
     if cap <= planned:
         planned, reason = cap, f"hardware.memory_budget_gib={hw.memory_budget_gib:g}"
     return _Budget(min(measured, cap), planned, reason, capped=True)
+
+
+def _fit_micro_batch(cfg: TrainConfig, budget: _Budget, shards: int, auto_layers: bool, notes: list[str]) -> None:
+    """hardware.auto_micro_batch: the largest micro-batch (a divisor of the per-device global batch) that fits the
+    budget without recomputing layers (with auto_checkpoint_layers; else with the checkpointing as configured), no
+    smaller than AUTO_MICRO_BATCH_MIN_TOKENS tokens. When none fits, the smallest allowed one, and the layer choice
+    (or the memory check) takes it from there."""
+    from exp.memory import GiB, estimate_for_config
+
+    hw, t = cfg.hardware, cfg.trainer
+    per_device = t.global_batch_size // cfg.data_parallel_size
+    if per_device < 1 or t.global_batch_size % cfg.data_parallel_size:
+        return  # the batch checks explain it
+    seq = cfg.data.max_seq_len
+    divisors = [m for m in range(per_device, 0, -1) if per_device % m == 0]
+    allowed = [m for m in divisors if m * seq >= AUTO_MICRO_BATCH_MIN_TOKENS] or divisors[:1]
+    trial = copy.deepcopy(cfg)
+    if auto_layers:
+        trial.hardware.gradient_checkpointing, trial.hardware.checkpoint_layers = False, None
+    chosen, fitted = allowed[-1], False
+    for m in allowed:
+        trial.hardware.micro_batch_size = m
+        if estimate_for_config(trial, num_shards=shards).total <= budget.planned:
+            chosen, fitted = m, True
+            break
+    before, hw.micro_batch_size = hw.micro_batch_size, chosen
+    trial.hardware.micro_batch_size = chosen
+    est = estimate_for_config(trial, num_shards=shards).total / GiB
+    how = "no recomputed layer" if auto_layers else "the configured checkpointing"
+    verdict = (
+        f"the largest with {how} within {budget.planned / GiB:.1f} GiB ({budget.reason}; estimated {est:.1f} GiB)"
+        if fitted
+        else f"the smallest of at least {AUTO_MICRO_BATCH_MIN_TOKENS} tokens; even it needs {est:.1f} GiB with {how} "
+        f"(within {budget.planned / GiB:.1f} GiB: {budget.reason})"
+    )
+    steps = per_device // chosen
+    notes.append(
+        f"hardware.auto_micro_batch: micro-batch {chosen} x {seq} tokens (was {before}), {steps} micro-batch(es) "
+        f"per optimiser step: {verdict}"
+    )
 
 
 def _fit_checkpointing(cfg: TrainConfig, budget: _Budget, shards: int, notes: list[str]) -> None:
