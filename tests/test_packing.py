@@ -96,6 +96,89 @@ def test_length_grouping_cuts_padding_and_is_seeded():
     assert length_grouped_batches(lengths, 8, seed=0, epoch=0) == grouped != length_grouped_batches(lengths, 8, 0, 1)
 
 
+def test_step_length_grouping_keeps_each_steps_examples_and_sorts_inside_it():
+    """data.length_grouping=step: a step holds the examples plain random batching gives it; only its micro-batches
+    are reordered (longest first), which cuts their padding."""
+    from types import SimpleNamespace as E
+
+    from exp.data import shuffled_batches, step_sorted_batches
+
+    lengths = [(i * 37) % 200 + 5 for i in range(403)]
+    rows = [E(input_ids=[1] * n, labels=[1] * n) for n in lengths]
+    batches = step_sorted_batches(lengths, 4, 4, seed=0, epoch=0)
+    steps = shuffled_batches(403, 16, seed=0, epoch=0)
+    assert len(batches) == 4 * len(steps) == 4 * 25  # the 3 examples left over from the last step are dropped
+    for k, step in enumerate(steps):
+        micro = batches[4 * k : 4 * k + 4]
+        assert sorted(i for b in micro for i in b) == sorted(step)
+        flat = [lengths[i] for b in micro for i in b]
+        assert flat == sorted(flat, reverse=True)
+    assert padding_stats(rows, batches)["padding_fraction"] < padding_stats(rows, steps)["padding_fraction"] / 2
+    assert step_sorted_batches(lengths, 4, 4, 0, 1) != batches == step_sorted_batches(lengths, 4, 4, 0, 0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_step_token_weighting_gives_the_gradient_of_the_whole_step(world_size):
+    """Micro-batches of a step hold different numbers of loss tokens: weighted by exp.module.step_token_weighted,
+    their accumulated gradients (Lightning's 1/accumulate, DDP's mean over ranks) equal the gradient of the mean
+    over all the step's tokens, as one batch would give."""
+    from exp.module import step_token_weighted
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 32, requires_grad=True)
+    hidden = torch.randn(8, 12, 16)
+    labels = torch.randint(0, 32, (8, 12))
+    for row, keep in enumerate([12, 3, 7, 1, 12, 5, 9, 2]):  # response lengths differ per row
+        labels[row, keep:] = IGNORE_INDEX
+
+    def mean_loss(h, y):
+        logits = h @ w
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 32), y[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+
+    (whole,) = torch.autograd.grad(mean_loss(hidden, labels), w)
+    step_tokens = (labels[:, 1:] != IGNORE_INDEX).sum().float()
+    accumulate = 4 // world_size
+    ranks = []
+    for r in range(world_size):
+        grad = torch.zeros_like(w)
+        for a in range(accumulate):
+            rows = slice(2 * (a * world_size + r), 2 * (a * world_size + r) + 2)
+            loss = step_token_weighted(mean_loss(hidden[rows], labels[rows]), labels[rows], step_tokens, accumulate,
+                                       world_size)  # fmt: skip
+            grad += torch.autograd.grad(loss / accumulate, w)[0]  # Lightning scales by 1/accumulate
+        ranks.append(grad)
+    torch.testing.assert_close(torch.stack(ranks).mean(0), whole)  # DDP averages the ranks
+    unweighted = sum(torch.autograd.grad(mean_loss(hidden[k : k + 2], labels[k : k + 2]), w)[0] for k in (0, 2, 4, 6))
+    assert not torch.allclose(unweighted / 4, whole, atol=1e-4)  # the plain mean of micro-batch means is not it
+
+
+def test_step_grouped_batches_carry_their_steps_loss_tokens(tmp_path):
+    import json
+
+    from exp.data import build_datamodule, loss_tokens, shuffled_batches
+    from exp.model import build_tokenizer
+
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"instruction": "Say it.", "input": "", "output": " ".join(words[: 1 + i % 8])})
+                  for i in range(60))  # fmt: skip
+    )
+    cfg = compose_typed(["data=alpaca", f"data.path={path}", "data.val_size=4"])
+    assert cfg.data.group_by_length and cfg.data.length_grouping.value == "step"
+    dm = build_datamodule(cfg.data, build_tokenizer(cfg.model), 2, 0, step_micro_batches=3)
+    loader = iter(dm.train_dataloader())
+    steps = shuffled_batches(len(dm.train_set), 6, cfg.data.seed, 0)
+    for step in steps[:2]:
+        micro = [next(loader) for _ in range(3)]
+        expected = sum(loss_tokens(dm.train_set[i]) for i in step)
+        assert [float(b["step_loss_tokens"]) for b in micro] == [expected] * 3
+        assert sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro) == expected
+    unweighted = build_datamodule(cfg.data.__class__(**{**vars(cfg.data), "length_grouping": "window"}),
+                                  build_tokenizer(cfg.model), 2, 0, step_micro_batches=3)  # fmt: skip
+    assert "step_loss_tokens" not in next(iter(unweighted.train_dataloader()))
+
+
 def test_packed_training_runs_end_to_end(tmp_path):
     from conftest import SHORT
 

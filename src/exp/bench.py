@@ -50,7 +50,6 @@ BENCH_OWNED = (
     "model",
     "lora",
     "quantization",
-    "hardware.micro_batch_size",
     "trainer.global_batch_size",
     "trainer.max_steps",
     "trainer.learning_rate",
@@ -107,7 +106,9 @@ class Settings:
             # exp's own batching of real data (hardware=gpu's micro-batch, accumulated to the step's examples).
             batching = ["data=alpaca", f"data.path={self.data_path}"]
         else:
-            batching = [f"hardware.micro_batch_size={self.micro_batch}"]  # one micro-batch per step, as the baseline
+            # One micro-batch per step, as the baseline, unless exp's preflight splits the step to fit its memory
+            # (hardware.auto_micro_batch, on with hardware=gpu).
+            batching = [f"hardware.micro_batch_size={self.micro_batch}"]
         budget = [f"hardware.memory_budget_gib={self.memory_budget}"] if self.memory_budget else []
         return [
             f"model={self.model}",
@@ -305,13 +306,18 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         from exp.data import build_datamodule
         from exp.model import build_tokenizer
 
-        datamodule = build_datamodule(cfg.data, build_tokenizer(cfg.model), cfg.hardware.micro_batch_size)
+        datamodule = build_datamodule(
+            cfg.data, build_tokenizer(cfg.model), cfg.hardware.micro_batch_size, 0, cfg.accumulate_grad_batches
+        )
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)  # as exp.train: data, then the seed
     else:
         tokens = [
             token_batch(i, settings.seed, settings.micro_batch, settings.seq, vocab) for i in range(settings.steps)
         ]
-        batches = [{"input_ids": x, "labels": x} for x in tokens]  # labels = inputs, as the baseline
+        # labels = inputs, as the baseline; each step's rows in exp's micro-batches (every row is full length, so
+        # the mean of the micro-batch means is the step's mean).
+        m = cfg.hardware.micro_batch_size
+        batches = [{"input_ids": x[k : k + m], "labels": x[k : k + m]} for x in tokens for k in range(0, len(x), m)]
     clock = step_clock(settings.warmup, cuda, cfg.accumulate_grad_batches)
 
     module = QLoRAModule(cfg)

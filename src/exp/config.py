@@ -98,6 +98,15 @@ class BadRows(str, Enum):
     fail = "fail"  # stop with a ConfigError naming the file and the rows
 
 
+class LengthGrouping(str, Enum):
+    # Sort within each optimiser step: the steps hold the examples of a random order (what a step learns from is
+    # that of plain random batching), its micro-batches hold similar lengths, and the step's loss is the mean over
+    # all of its loss tokens, as if it were one batch.
+    step = "step"
+    # Sort within windows of 50 micro-batches: less padding, but each step's examples are of similar length.
+    window = "window"
+
+
 class LoggerKind(str, Enum):
     wandb = "wandb"
     csv = "csv"
@@ -232,6 +241,9 @@ class DataConfig:
     # Without packing: batch examples of similar length (less padding). Off for the synthetic default, whose
     # examples are all about as long, so its data order (and recorded losses) stay as they are.
     group_by_length: bool = False
+    # Where examples are sorted by length (see LengthGrouping): within each optimiser step, or across windows of
+    # steps.
+    length_grouping: LengthGrouping = LengthGrouping.step
     # Size of the generated default dataset (`format=synthetic`).
     num_examples: int = 4000
     seed: int = 0
@@ -622,6 +634,7 @@ def register_configs() -> None:
 __all__ = [
     "Accelerator",
     "BadRows",
+    "LengthGrouping",
     "ConfigError",
     "DataConfig",
     "DataFormat",

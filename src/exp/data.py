@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from exp.cache_entries import ensure_entry
-from exp.config import BadRows, ConfigError, DataConfig, DataFormat
+from exp.config import BadRows, ConfigError, DataConfig, DataFormat, LengthGrouping
 from exp.data_files import READERS, diagnose, list_files
 from exp.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
 from exp.packing import Packed, pack
@@ -403,6 +403,47 @@ def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, epoch
     return batches
 
 
+def step_sorted_batches(lengths: list[int], micro_batch: int, per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of micro-batches, `per_step` to an optimiser step, sorted by length within each step.
+
+    The steps hold the examples `shuffled_batches` would give them (the same seeded order, cut every
+    `micro_batch * per_step` examples; the last, partial step is dropped), so what a step learns from does not depend
+    on the grouping; inside a step the examples are sorted longest first and cut into its micro-batches.
+    """
+    step = micro_batch * per_step
+    batches = []
+    for group in shuffled_batches(len(lengths), step, seed, epoch):
+        group = sorted(group, key=lambda i: -lengths[i])
+        batches += [group[k : k + micro_batch] for k in range(0, step, micro_batch)]
+    return batches
+
+
+def loss_tokens(e: Encoded | Packed) -> int:
+    """Tokens that carry loss: position t predicts label t + 1, so the first label never counts."""
+    return sum(t != IGNORE_INDEX for t in e.labels[1:])
+
+
+class StepTokens:
+    """Training rows addressed as (index, loss tokens of the index's optimiser step): each micro-batch carries its
+    step's total, from which the module weights the micro-batch's loss (exp.module)."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Encoded | Packed, int]:
+        index, step_tokens = key
+        return self.rows[index], step_tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def collate_with_step_tokens(items: list[tuple[Encoded | Packed, int]], pad_id: int) -> dict[str, torch.Tensor]:
+    batch = collate([e for e, _ in items], pad_id)
+    batch["step_loss_tokens"] = torch.tensor(float(items[0][1]))
+    return batch
+
+
 class TrainStream(Sampler[list[int]]):
     """Every micro-batch one rank trains on, epoch after epoch without end, from any position.
 
@@ -458,7 +499,7 @@ def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
         lens = [len(rows[i].input_ids) for i in b]
         slots += max(lens) * len(b)
         real += sum(lens)
-        loss += sum(sum(t != IGNORE_INDEX for t in rows[i].labels[1:]) for i in b)
+        loss += sum(loss_tokens(rows[i]) for i in b)
     return {
         "padding_fraction": round(1 - real / slots, 4) if slots else 0.0,
         "loss_tokens_per_batch": round(loss / len(batches), 1) if batches else 0.0,
@@ -469,10 +510,14 @@ def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
 class InstructionDataModule(L.LightningDataModule):
     """Tokenised train / validation splits, batched with response-only labels (padded, length-grouped or packed)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0):
+    def __init__(
+        self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+    ):
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
+        # Micro-batches per optimiser step over all data-parallel ranks (accumulation x ranks).
+        self.step_micro_batches = step_micro_batches
         limit = position_limit(tokenizer)
         if limit is not None and cfg.max_seq_len > limit:
             raise ConfigError(
@@ -529,6 +574,10 @@ class InstructionDataModule(L.LightningDataModule):
             stats["packing_efficiency"] = round(tokens / (len(self.packed) * self.cfg.max_seq_len), 4)
         return stats
 
+    @functools.cached_property
+    def _loss_tokens(self) -> list[int]:
+        return [loss_tokens(e) for e in self.train_set]
+
     def _lengths(self) -> list[int]:
         return [len(e.input_ids) for e in self.train_set]
 
@@ -555,8 +604,17 @@ class InstructionDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    @property
+    def step_weighted(self) -> bool:
+        """Whether micro-batches carry their step's loss-token total (length grouping within steps)."""
+        return self.cfg.group_by_length and self.packed is None and self.cfg.length_grouping == LengthGrouping.step
+
     def train_epoch_batches(self, epoch: int) -> list[list[int]]:
         """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
+        if self.step_weighted:
+            return step_sorted_batches(
+                self._lengths(), self.micro_batch_size, self.step_micro_batches, self.cfg.seed, epoch
+            )
         if self.cfg.group_by_length and self.packed is None:
             return length_grouped_batches(self._lengths(), self.micro_batch_size, self.cfg.seed, epoch)
         rows = self.packed if self.packed is not None else self.train_set
@@ -567,13 +625,36 @@ class InstructionDataModule(L.LightningDataModule):
         """Full micro-batches in one pass over the training split (all ranks together)."""
         return len(self.train_epoch_batches(0))
 
+    def _step_token_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """`train_epoch_batches` with each index paired with its optimiser step's loss tokens (all ranks)."""
+        batches, k, tokens = self.train_epoch_batches(epoch), self.step_micro_batches, self._loss_tokens
+        out = []
+        for s in range(0, len(batches), k):
+            step = batches[s : s + k]
+            total = sum(tokens[i] for b in step for i in b)
+            out += [[(i, total) for i in b] for b in step]
+        return out
+
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank()
-        stream = TrainStream(self.train_epoch_batches, rank, world, start=getattr(self, "start_batch", 0))
+        weighted = self.step_weighted
+        if weighted and self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"the training split has {len(self.train_set)} examples, fewer than one optimiser step's "
+                f"{self.micro_batch_size * self.step_micro_batches} (trainer.global_batch_size): lower "
+                "trainer.global_batch_size or use more data"
+            )
+        epoch_batches = self._step_token_batches if weighted else self.train_epoch_batches
+        stream = TrainStream(epoch_batches, rank, world, start=getattr(self, "start_batch", 0))
+        rows = self.packed if self.packed is not None else self.train_set
         return DataLoader(
-            self.packed if self.packed is not None else self.train_set,
+            StepTokens(rows) if weighted else rows,
             batch_sampler=stream,
-            collate_fn=self._collate(),
+            collate_fn=(
+                functools.partial(collate_with_step_tokens, pad_id=self.tokenizer.pad_token_id)
+                if weighted
+                else self._collate()
+            ),
             num_workers=self.num_workers,
             # The loader's own generator seeds its workers: iterating it never draws from the global RNG, so a
             # resumed run's dropout masks (global RNG, restored from the checkpoint) match the uninterrupted run's.
@@ -607,10 +688,16 @@ def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
         "truncated": sum(e.truncated for e in split),
         "dropped": len(split) - len(kept),
         "tokens": sum(len(e.input_ids) for e in kept),
-        "loss_tokens": sum(sum(t != IGNORE_INDEX for t in e.labels[1:]) for e in kept),
+        "loss_tokens": sum(loss_tokens(e) for e in kept),
     }
 
 
-def build_datamodule(cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0):
-    """The DataModule for `cfg`: reads, checks and tokenises the data (cached), ready for `trainer.fit`."""
-    return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers)
+def build_datamodule(
+    cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+):
+    """The DataModule for `cfg`: reads, checks and tokenises the data (cached), ready for `trainer.fit`.
+
+    `step_micro_batches`: micro-batches per optimiser step over all data-parallel ranks (gradient accumulation x
+    ranks), the unit `data.length_grouping=step` sorts within.
+    """
+    return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers, step_micro_batches)

@@ -65,6 +65,19 @@ def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, to
     }
 
 
+def step_token_weighted(
+    mean_loss: torch.Tensor, labels: torch.Tensor, step_tokens: torch.Tensor, accumulate: int, world_size: int
+) -> torch.Tensor:
+    """A micro-batch's mean loss re-weighted so that its optimiser step's gradient is that of the mean over all the
+    step's loss tokens (`step_tokens`, over every micro-batch of every rank), whatever each micro-batch holds.
+
+    Lightning divides the returned loss by `accumulate`, and DDP / FSDP average the gradients over `world_size`
+    ranks: the factor undoes both, so the summed contributions are (sum of token losses) / step_tokens.
+    """
+    tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+    return mean_loss * tokens * (accumulate * world_size) / step_tokens
+
+
 def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
     """`fused`: torch's fused AdamW kernel, taken when every parameter is on a device it has a kernel for."""
     kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
@@ -165,11 +178,15 @@ class QLoRAModule(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step_tokens = batch.pop("step_loss_tokens", None)
         # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.loss).
         loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
         value = loss.detach()
         self._loss_bad = ~torch.isfinite(value) | self._loss_bad
         self.log("train/loss", value, prog_bar=True)
+        if step_tokens is not None:
+            loss = step_token_weighted(loss, batch["labels"], step_tokens, self.trainer.accumulate_grad_batches,
+                                       self.trainer.world_size)  # fmt: skip
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

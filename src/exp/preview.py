@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_config(args)
         tokenizer = build_tokenizer(cfg.model)
-        dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0)
+        dm = build_datamodule(
+            cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, cfg.accumulate_grad_batches * cfg.data_parallel_size
+        )
     except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         return 2
