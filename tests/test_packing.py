@@ -161,8 +161,10 @@ def test_step_grouped_batches_carry_their_steps_loss_tokens(tmp_path):
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     path = tmp_path / "rows.jsonl"
     path.write_text(
-        "\n".join(json.dumps({"instruction": "Say it.", "input": "", "output": " ".join(words[: 1 + i % 8])})
-                  for i in range(60))  # fmt: skip
+        "\n".join(
+            json.dumps({"instruction": "Say it.", "input": "", "output": " ".join(words[: 1 + i % 8])})
+            for i in range(60)
+        )  # fmt: skip
     )
     cfg = compose_typed(["data=alpaca", f"data.path={path}", "data.val_size=4"])
     assert cfg.data.group_by_length and cfg.data.length_grouping.value == "step"
