@@ -7,8 +7,9 @@
 #   readme       the GPU commands of README.md, as written
 #   bench2b      exp.bench, Gemma-2B shape, 2048 x 8: baseline, exp within the baseline's peak
 #   calibration  benchmarks/memory_calibration.py: the estimator on the fast path (liger / chunked, compile on / off)
-#   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak, exp on the
-#                whole GPU
+#   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak, exp within
+#                a quarter of it ($LEAN_GIB, default 14.9)
+#   whole        exp.bench, Gemma-7B 2048 x 8: exp on the whole GPU (against bench7b's baseline when it ran)
 #   real         exp.bench real-data mode on ../shared/data/alpaca_en_demo.json (or $EXP_ALPACA), Gemma-7B shape
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
 #   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 64 and 128
@@ -88,8 +89,12 @@ run_stage() {
       stage calibration 420 python3 benchmarks/memory_calibration.py --models gemma_2b --grid 2048x2 2048x4 2048x8 \
         --ckpt none --losses liger chunked --compile both --out "$WORK/memory_calibration_fast_path" ;;
     bench7b)
+      # Lean: a quarter of the baseline's peak at this shape (59.6 GiB measured on the H200).
       stage bench7b 600 "${BENCH[@]}" --memory-budget baseline --variant baseline --variant exp \
-        --variant "exp hardware.memory_budget_gib=null" ;;
+        --variant "exp hardware.memory_budget_gib=${LEAN_GIB:-14.9}" ;;
+    whole)
+      ref=$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)
+      stage whole 300 "${BENCH[@]}" ${ref:+--reference "$ref"} --variant "exp hardware.memory_budget_gib=null" ;;
     real)
       stage real 540 "${BENCH[@]}" --data "$ALPACA" --seq 1024 --micro-batch 16 --steps 12 --warmup 2 \
         --variant baseline --variant exp ;;
@@ -110,7 +115,7 @@ run_stage() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b real lean capacity bench512)
+[ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b whole real lean capacity bench512)
 for s in "${stages[@]}"; do run_stage "$s"; done
 
 cp -r "$WORK"/bench/*.md "$OUT"/ 2>/dev/null
