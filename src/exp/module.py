@@ -278,7 +278,10 @@ class QLoRAModule(L.LightningModule):
         self._val_sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.model(**batch)
+        # No labels (transformers would compute a second loss over fp32 logits) and no KV cache (nothing is
+        # generated; with a compiled layer the cache's bookkeeping also makes Dynamo recompile).
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = self.model(**inputs, use_cache=False)
         for k, v in response_metrics(out.logits, batch["labels"]).items():
             self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
 
