@@ -27,6 +27,7 @@ from exp.run_dir import (
     LAUNCH_ID_ENV,
     RESUME_RECORD,
     claim_run_dir,
+    discard_run_dir,
     lock_run,
     new_run_dir,
     release_run,
@@ -338,10 +339,19 @@ def main(dcfg: DictConfig) -> float:
         cfg = to_typed(dcfg, launch_dir)
         result = execute(cfg, output_dir, launch_dir)
     except BaseException as e:
-        record_stop(output_dir, e)
+        if not (refused(e) and discard_run_dir(output_dir)):
+            record_stop(output_dir, e)
         exit_on_known_error(e)
         raise
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def refused(e: BaseException) -> bool:
+    """The run stopped before training: bad input (exit status 2) or a failed preflight (3). Its directory, if this
+    process made it, is removed again (exp.run_dir.discard_run_dir): the message says all there is to say."""
+    from exp.preflight import PREFLIGHT_EXIT
+
+    return isinstance(e, ConfigError) or (isinstance(e, SystemExit) and e.code == PREFLIGHT_EXIT)
 
 
 def record_stop(run_dir: Path, e: BaseException) -> None:
@@ -514,7 +524,8 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
         try:
             return execute(cfg, out, Path.cwd())
         except BaseException as e:
-            record_stop(out, e)
+            if not (refused(e) and discard_run_dir(out)):
+                record_stop(out, e)
             raise
         finally:
             release_runs()  # the run directory and any run it continued: free for the next call
