@@ -30,8 +30,12 @@ def test_make_installs_what_each_command_needs_once(tmp_path):
 
     def make(target: str, here: bool = True) -> list[str]:
         calls.write_text("")
-        env = dict(os.environ, PYTHONPATH=str(tmp_path / "src") if here else "")
-        proc = subprocess.run(["make", "-s", target, f"PYTHON={python}"], cwd=tmp_path, env=env, capture_output=True)
+        # Not the settings of a `make test` this suite may run under (make passes them on in MAKEFLAGS).
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+        env["PYTHONPATH"] = str(tmp_path / "src") if here else ""
+        proc = subprocess.run(
+            ["make", "-s", target, f"PYTHON={python}", "ARGS="], cwd=tmp_path, env=env, capture_output=True
+        )
         assert proc.returncode == 0, proc.stderr.decode()
         return [line.split(" -c ")[0] for line in calls.read_text().splitlines()]
 

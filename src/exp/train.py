@@ -425,7 +425,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
         release_run(run_dir)
     status = read_status(run_dir)
     if rc == REQUEUE_EXIT and status.get("status") == "preempted":
-        # The signal that stopped the job stops the sweep: re-launching it skips the completed jobs.
+        # The signal that stopped the job stops the sweep: re-launching it reuses the completed jobs.
         checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
         raise Preempted(GUARD.received or signal.SIGTERM, checkpoint=checkpoint, phase=f"sweep job {run_dir.name}")
     return sweep_job_result(run_dir, rc)
