@@ -2,7 +2,7 @@
 
 Every row must exit non-zero with a message that names the key and says how to fix it, print no traceback, leave a
 finished run directory it is aimed at (`hydra.run.dir=<that run>`: status, checkpoint, adapter) exactly as it was,
-and leave no new run directory that looks finished. Most rows fail before Hydra starts (well under a second); the
+and leave no new directory behind (the one a run claims before its checks is removed again). Most rows fail before Hydra starts (well under a second); the
 cross-field checks fail in the typed config, a missing model.path before anything loads, and an unknown LoRA target
 when the model is built (the names are the model's).
 """
@@ -147,6 +147,7 @@ def test_bad_input_is_refused_clearly_and_touches_nothing(workspace, overrides: 
     if not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={run}")  # aimed at the finished run: it must stay as it is
     before = _digest(run)
+    dirs = sorted(p for p in root.rglob("*") if p.is_dir())
     env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     proc = subprocess.run(
         [sys.executable, "-m", "exp.train", *BASE, *args],
@@ -166,4 +167,5 @@ def test_bad_input_is_refused_clearly_and_touches_nothing(workspace, overrides: 
     assert _digest(run) == before, "the finished run directory was modified"
     finished = [p.parent for p in root.rglob("status.json") if json.loads(p.read_text()).get("status") == "completed"]
     assert finished == [run], finished
+    assert sorted(p for p in root.rglob("*") if p.is_dir()) == dirs  # no half-empty run directory left
     assert workspace["file"].read_text() == "not a directory"

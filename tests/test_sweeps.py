@@ -25,8 +25,10 @@ FAST = [
 ]
 
 
-def exp(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+def exp(
+    args: list[str], cwd: Path, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", *args],
         cwd=cwd,
@@ -70,7 +72,7 @@ def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
 def test_relaunch_skips_completed_jobs_and_keeps_their_files(sweep):
     study, _, second, stamps = sweep
     assert second.returncode == 1
-    assert (second.stdout + second.stderr).count("already completed, skipped") == 2
+    assert (second.stdout + second.stderr).count("already completed with this config, skipped") == 2
     assert stamps and all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     failed_job = next(dirs for job, dirs in job_groups(study).items() if job.startswith("2_"))
     assert len(failed_job) == 2  # the retry ran in its own directory; the first attempt's files are kept
@@ -103,6 +105,22 @@ def test_report_shows_a_running_job(tmp_path, sweep):
     assert proc.returncode == 0 and "running" in proc.stdout
 
 
+def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_path, sweep, monkeypatch):
+    import shutil
+
+    from exp.report import main
+
+    study, _, _, _ = sweep
+    run = shutil.copytree(next(d for d in study.iterdir() if d.name.startswith("0_")), tmp_path / "run")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main([str(run)]) == 0
+    assert (run / "report.md").exists() and (run / "report.csv").exists() and (run / "loss_curves.png").exists()
+    assert list((tmp_path / "here").iterdir()) == []
+    assert main([str(run), str(study)]) == 2  # several paths: no directory of their own, --out is required
+    assert list((tmp_path / "here").iterdir()) == []
+
+
 def test_jobs_are_isolated(tmp_path):
     """Two identical jobs: a leak of any state from the first (RNG, W&B run, model, globals) would change the second."""
     proc = exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], "logger=wandb", "hydra.sweep.dir=iso"], tmp_path)
@@ -117,28 +135,90 @@ def test_jobs_are_isolated(tmp_path):
     assert str(jobs[1].parent) not in first_log
 
 
-def test_optuna_sweep_minimises_the_returned_metric(tmp_path):
-    proc = exp(
-        [
-            "exp.train",
-            "-m",
-            "--config-dir",
-            str(ROOT / "sweeps"),
-            "--config-name",
-            "optuna_lr_rank",
-            "hydra.sweeper.n_trials=2",
-            *FAST,
-            "hydra.sweep.dir=opt",
-        ],
-        tmp_path,
-    )
+OPTUNA = ["exp.train", "-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "optuna_lr_rank"]
+
+
+@pytest.fixture(scope="module")
+def optuna_study(tmp_path_factory):
+    """The shipped Optuna study, 2 trials of 3 steps, in `opt/`."""
+    cwd = tmp_path_factory.mktemp("optuna")
+    args = [*OPTUNA, "hydra.sweeper.n_trials=2", *FAST, "hydra.sweep.dir=opt"]
+    return cwd, args, exp(args, cwd)
+
+
+def _files(root: Path, but: tuple[str, ...] = ()) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in but
+    }
+
+
+def test_optuna_sweep_minimises_the_returned_metric(optuna_study):
+    cwd, _, proc = optuna_study
     assert proc.returncode == 0, proc.stderr[-3000:]
     from omegaconf import OmegaConf
 
-    result = OmegaConf.load(tmp_path / "opt" / "optimization_results.yaml")
-    finals = [json.loads(p.read_text())["final_val"]["val/loss"] for p in (tmp_path / "opt").glob("*/summary.json")]
+    result = OmegaConf.load(cwd / "opt" / "optimization_results.yaml")
+    finals = [json.loads(p.read_text())["final_val"]["val/loss"] for p in (cwd / "opt").glob("*/summary.json")]
     assert len(finals) == 2 and result.best_value == pytest.approx(min(finals))
     assert set(result.best_params) == {"trainer.learning_rate", "lora.r", "lora.alpha", "lora.dropout"}
+
+
+def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(optuna_study):
+    """Job 0 of the re-launch is asked for other settings: reusing opt/0 would report its results for them."""
+    cwd, args, first = optuna_study
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _files(cwd)
+    proc = exp([*args, "trainer.max_steps=4", "lora.alpha=16"], cwd)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = proc.stderr.split("exp: error: ", 1)[1]
+    assert message.startswith("hydra.sweep.dir=opt already holds a job 0 that was asked to run another config")
+    assert "trainer.max_steps: 3 there, 4 now" in message and "lora.alpha: " in message
+    assert "Fix: give this study its own directory, hydra.sweep.dir=opt_2" in message
+    assert "Traceback" not in proc.stderr and "Best value" not in proc.stdout + proc.stderr
+    assert _files(cwd) == before  # optimization_results.yaml, every job's files and records: as they were
+    assert sorted(p.name for p in (cwd / "opt").iterdir()) == ["0", "1", "optimization_results.yaml"]
+
+
+def test_a_relaunched_study_with_the_same_settings_reuses_every_trial(optuna_study):
+    cwd, args, first = optuna_study
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = (cwd / "opt" / "optimization_results.yaml").read_text()
+    before = _files(cwd, but=("train.log", "optimization_results.yaml"))
+    proc = exp(args, cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("already completed with this config, skipped") == 2
+    assert _files(cwd, but=("train.log", "optimization_results.yaml")) == before
+    assert (cwd / "opt" / "optimization_results.yaml").read_text() == results  # the same study, the same best
+
+
+def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp_path):
+    from conftest import compose_typed
+
+    from exp.config import ConfigError
+    from exp.run_dir import write_status
+    from exp.sweep import SweepConflict, earlier_result, fingerprint, record_job
+    from exp.train import config_dict
+
+    base = config_dict(compose_typed([]))
+    renamed = config_dict(compose_typed(["logger.group=elsewhere", "logger.run_name=x", "trainer.resume=auto"]))
+    assert fingerprint(renamed) == fingerprint(base)
+    for changed in (["hardware.micro_batch_size=4"], ["trainer.max_steps=40"], ["data.seed=1"]):
+        assert fingerprint(config_dict(compose_typed(changed))) != fingerprint(base), changed
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    record_job(job, base)
+    write_status(job, "failed")
+    assert earlier_result(job, renamed, job.parent) is None  # failed with this config: it runs again
+    (job.parent / "0_1").mkdir()
+    record_job(job.parent / "0_1", base)
+    write_status(job.parent / "0_1", "completed")
+    assert earlier_result(job, renamed, job.parent) == job.parent / "0_1"
+    other = config_dict(compose_typed(["lora.r=16"]))
+    with pytest.raises(SweepConflict, match="lora.r: 8 there, 16 now") as e:
+        earlier_result(job, other, job.parent)
+    assert isinstance(e.value, ConfigError)
 
 
 def test_grid_sweep_file_composes_and_runs(tmp_path):
@@ -197,30 +277,40 @@ def test_slurm_launcher_config_composes(tmp_path):
 
 
 def test_gpu_launcher_gives_each_parallel_job_its_own_device(tmp_path):
-    """Devices named explicitly so the test runs without GPUs: each job must see exactly its own one."""
-    env_threads = {"OMP_NUM_THREADS": "1"}  # two jobs share this machine's cores
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "exp.train",
-            "-m",
-            "hydra/launcher=gpus",
-            "hydra.launcher.devices=[0,1]",
-            "lora.r=4,8",
-            *FAST,
-            "hydra.sweep.dir=gp",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, **env_threads),
-    )
+    """Devices named explicitly so the test runs without GPUs: each job must see exactly its own one. Re-launched,
+    the completed jobs are reused; with one job's record changed (as if a config default had changed since), the
+    launch is refused before any job starts."""
+    args = ["exp.train", "-m", "hydra/launcher=gpus", "hydra.launcher.devices=[0,1]", "lora.r=4,8", *FAST]
+    args.append("hydra.sweep.dir=gp")
+    env = {"OMP_NUM_THREADS": "1"}  # two jobs share this machine's cores
+    proc = exp(args, tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifests = [json.loads(p.read_text()) for p in sorted((tmp_path / "gp").glob("*/manifest.json"))]
     assert sorted(m["hardware"]["cuda_visible_devices"] for m in manifests) == ["0", "1"]
     assert "Launching 2 jobs on 2 GPU(s)" in proc.stdout + proc.stderr
+
+    again = exp(args, tmp_path, env=env)
+    assert again.returncode == 0 and (again.stdout + again.stderr).count("already completed with this config") == 2
+    record = next((tmp_path / "gp").glob("1_*/sweep_job.json"))
+    job = json.loads(record.read_text())
+    job["config"]["trainer"]["seed"], job["fingerprint"] = 7, "0" * 64
+    record.write_text(json.dumps(job))
+    before = _files(tmp_path)
+    refused = exp(args, tmp_path, env=env)
+    assert refused.returncode == 2 and "trainer.seed: 7 there, 0 now" in refused.stderr, refused.stderr[-3000:]
+    assert "Launching" not in refused.stdout + refused.stderr and _files(tmp_path) == before
+
+
+def test_gpu_launcher_without_a_gpu_says_so_and_writes_nothing(tmp_path):
+    proc = exp(
+        ["exp.train", "-m", "hydra/launcher=gpus", "lora.r=4,8", "hydra.sweep.dir=gp"],
+        tmp_path,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.startswith("exp: error: hydra/launcher=gpus runs each job on a GPU of its own")
+    assert "CUDA_VISIBLE_DEVICES is ''" in proc.stderr and "hydra.launcher.devices=[0,1]" in proc.stderr
+    assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_manifest_records_how_the_run_was_made(short_run):

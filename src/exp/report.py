@@ -3,7 +3,8 @@
 Reads only what every run leaves on disk (status.json, summary.json, csv/metrics.csv, .hydra/overrides.yaml), so it
 works while a sweep is running (unfinished jobs show as `running`, or `interrupted` once no process runs them) and
 after jobs failed (`failed` with the error).
-Writes report.md, report.csv and PNG plots (loss curves of all jobs; the metric against each swept parameter).
+Writes report.md, report.csv and PNG plots (loss curves of all jobs; the metric against each swept parameter) into
+the sweep or run directory it is given, or `--out` (required for several paths): never the current directory.
 """
 
 from __future__ import annotations
@@ -49,10 +50,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def _overrides(run: Path) -> dict[str, str]:
-    path = run / ".hydra" / "overrides.yaml"
-    base = run.with_name(re.sub(r"_\d+$", "", run.name))
-    if not path.exists() and base != run:  # a re-launched attempt (`<job>_1`): Hydra's record is in the job dir
-        path = base / ".hydra" / "overrides.yaml"
+    path = run / ".hydra" / "overrides.yaml"  # every attempt of a sweep job holds its own record
     if not path.exists():
         return {}
     from omegaconf import OmegaConf
@@ -167,7 +165,9 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m exp.report", description=__doc__.splitlines()[0])
     p.add_argument("paths", nargs="+", type=Path, help="a sweep directory, or run directories")
-    p.add_argument("--out", type=Path, help="where report.md / report.csv / plots go (default: the sweep dir)")
+    p.add_argument(
+        "--out", type=Path, help="where report.md / report.csv / plots go (default: the sweep or run directory)"
+    )
     p.add_argument("--metric", default="val/loss", help="the optimised metric (lower is better)")
     a = p.parse_args(argv)
     missing = [str(x) for x in a.paths if not x.exists()]
@@ -178,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"exp: error: no run directories (with status.json or .hydra/) under {a.paths}", file=sys.stderr)
         return 2
+    if a.out is None and len(a.paths) > 1:
+        print(
+            f"exp: error: {len(a.paths)} paths and no --out: the report of one sweep or run goes into its directory, "
+            "and several have no directory of their own. Fix: say where it goes, e.g. --out outputs/comparison.",
+            file=sys.stderr,
+        )
+        return 2
     rows = sort_rows([read_run(r, a.metric) for r in runs])
-    out = a.out or (a.paths[0] if len(a.paths) == 1 and a.paths[0] not in runs else Path.cwd())
+    out = a.out or a.paths[0]  # never the current directory: a report lands beside what it reports on
     out.mkdir(parents=True, exist_ok=True)
     header, body = table(rows, a.metric)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]

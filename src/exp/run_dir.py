@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ STATUS_FILE = "status.json"
 RESUME_RECORD = "resume.json"  # in a continued run: the checkpoint and the run it continued
 LOCK_FILE = ".lock"
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open descriptor whose lock this process holds
+# run directory (resolved) -> the directories this process created to claim it (it first, then new parents): only
+# those may be removed again (`discard_run_dir`); a directory that was there before is never removed.
+_created: dict[Path, list[Path]] = {}
 # Set by `exp.train` in each rank of a torchrun / SLURM launch: the launch's id (`shared_launch_id`),
 # recorded in status.json so that the ranks share one run directory and never take over an earlier launch's.
 LAUNCH_ID_ENV = "EXP_LAUNCH_ID"
@@ -127,6 +131,7 @@ def claim_run_dir(path: Path) -> Path:
     while True:
         if candidate.resolve() in _held:
             return candidate
+        made = [d for d in (candidate, *candidate.parents) if not d.exists()]
         try:
             candidate.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -139,10 +144,31 @@ def claim_run_dir(path: Path) -> Path:
         if not (candidate / STATUS_FILE).exists() and lock_run(candidate):
             if not (candidate / STATUS_FILE).exists():
                 write_status(candidate, "running")
+                if made:
+                    _created[candidate.resolve()] = made
                 return candidate
             release_run(candidate)
         n += 1
         candidate = path.with_name(f"{path.name}_{n}")
+
+
+def discard_run_dir(run_dir: Path) -> bool:
+    """Remove a run directory that stopped before it trained (bad input, a failed preflight), so that no half-empty
+    directory is left to look like a run. Only a directory this process created for the run, holding no results
+    (checkpoint, adapter, summary), and not shared with the other ranks of a launch; True when it was removed."""
+    made = _created.pop(run_dir.resolve(), None)
+    if not made or os.environ.get(LAUNCH_ID_ENV):
+        return False
+    if any((run_dir / name).exists() for name in ("checkpoints", "adapter", "summary.json")):
+        return False
+    release_run(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in made[1:]:  # the date directory this run was the first of, if nothing else went there since
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    return True
 
 
 def new_run_dir(root: Path) -> Path:

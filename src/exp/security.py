@@ -262,14 +262,15 @@ def _redacted(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_hydra_record(config: DictConfig) -> Path:
+def write_hydra_record(config: DictConfig, run_dir: Path | None = None) -> Path:
     """Hydra's record of a job (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them) with secrets masked:
-    values of secret-looking keys (`hydra.job.env_set.HF_TOKEN`, env_copy'd variables) and overrides."""
+    values of secret-looking keys (`hydra.job.env_set.HF_TOKEN`, env_copy'd variables) and overrides. Written into
+    `run_dir` (default: Hydra's output directory of the job)."""
     record = OmegaConf.to_container(config, resolve=False, enum_to_str=True)
     assert isinstance(record, dict)
     task = _redacted(record)
     hydra_node = task.pop("hydra")
-    out = Path(config.hydra.runtime.output_dir) / (config.hydra.output_subdir or ".hydra")
+    out = Path(run_dir or config.hydra.runtime.output_dir) / (config.hydra.output_subdir or ".hydra")
     out.mkdir(parents=True, exist_ok=True)
     _write_yaml(out / "config.yaml", task)
     _write_yaml(out / "hydra.yaml", {"hydra": hydra_node})
@@ -322,9 +323,12 @@ class RunRecord(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         sys.argv[:] = [redact_override(arg) for arg in sys.argv]
-        write_hydra_record(config)
         if config.hydra.mode == RunMode.MULTIRUN:
+            # A sweep job's record goes into the run directory the job claims (exp.train.start_sweep_job), which
+            # is not Hydra's output directory when an earlier attempt is there: that attempt's record stays its own.
             redact_multirun_record(Path(config.hydra.sweep.dir))
+        else:
+            write_hydra_record(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # Launchers that run jobs in other processes (gpus, submitit) write multirun.yaml here without a job start.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import glob
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from exp.run_dir import (
     LAUNCH_ID_ENV,
     RESUME_RECORD,
     claim_run_dir,
+    discard_run_dir,
     lock_run,
     new_run_dir,
     release_run,
@@ -36,6 +36,7 @@ from exp.run_dir import (
     write_json,
     write_status,
 )
+from exp.sweep import SweepConflict, earlier_result, final_metric, record_job, restore_sweep_record
 
 log = logging.getLogger("exp.train")
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -340,10 +341,19 @@ def main(dcfg: DictConfig) -> float:
         cfg = to_typed(dcfg, launch_dir)
         result = execute(cfg, output_dir, launch_dir)
     except BaseException as e:
-        record_stop(output_dir, e)
+        if not (refused(e) and discard_run_dir(output_dir)):
+            record_stop(output_dir, e)
         exit_on_known_error(e)
         raise
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
+
+
+def refused(e: BaseException) -> bool:
+    """The run stopped before training: bad input (exit status 2) or a failed preflight (3). Its directory, if this
+    process made it, is removed again (exp.run_dir.discard_run_dir): the message says all there is to say."""
+    from exp.preflight import PREFLIGHT_EXIT
+
+    return isinstance(e, ConfigError) or (isinstance(e, SystemExit) and e.code == PREFLIGHT_EXIT)
 
 
 def record_stop(run_dir: Path, e: BaseException) -> None:
@@ -390,50 +400,98 @@ def exit_on_known_error(e: BaseException) -> None:
 
 
 def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
-    """One job of a multirun: skipped if it already completed, else run in a fresh process; never raises.
+    """One job of a multirun: reused if it already completed with this config, else run in a fresh process.
 
     A failed job is recorded in its status.json and the sweep goes on; the sweep's exit status counts the failures
-    (exp.sweep.SweepStatus). Returns the final validation loss (what sweepers minimise), +inf for a failed job.
+    (exp.sweep.SweepStatus). Returns the final validation loss (what sweepers minimise), +inf for a failed job. A
+    job directory that holds another config stops the sweep (exit status 2) before anything is written.
     """
     from exp.launch import run_job_process
     from exp.run_dir import read_status
     from exp.signals import GUARD, REQUEUE_EXIT, Preempted
 
     hydra_cfg = HydraConfig.get()
-    # A job retried in an earlier launch (`<job>_1`, ...: failed, or preempted and resumed) may have completed there.
-    attempts = [job_dir, *sorted(job_dir.parent.glob(f"{glob.escape(job_dir.name)}_[0-9]*"))]
-    done = [d for d in attempts if read_status(d).get("status") == "completed"]
-    if done:
-        log.info("sweep: %s already completed, skipped", done[-1].name)
-        return json.loads((done[-1] / "summary.json").read_text())["final_val"]["val/loss"]
-    run_dir = claim_run_dir(job_dir)  # an earlier failed attempt keeps its files
-    try:
-        cfg = to_typed(dcfg, Path(hydra.utils.get_original_cwd()))
-    except ConfigError as e:
-        write_status(run_dir, "failed", error=str(e))
-        release_run(run_dir)
-        log.error("sweep: %s failed: %s", run_dir.name, e)
+    job = plan_sweep_job(dcfg, job_dir, Path(hydra_cfg.sweep.dir), Path(hydra.utils.get_original_cwd()))
+    if job.reuse is not None:
+        log.info("sweep: %s already completed with this config, skipped", job.reuse.name)
+        return final_metric(job.reuse)
+    record = OmegaConf.create(
+        {**OmegaConf.to_container(dcfg, resolve=False), "hydra": OmegaConf.to_container(hydra_cfg, resolve=False)}
+    )
+    run_dir = start_sweep_job(job, record, hydra_cfg.job.override_dirname, Path(hydra_cfg.sweep.dir).name)
+    if run_dir is None:
         return float("inf")
-    # W&B: one run per job, named by its overrides, grouped by the sweep.
-    cfg.logger.run_name = cfg.logger.run_name or hydra_cfg.job.override_dirname or run_dir.name
-    cfg.logger.group = cfg.logger.group or Path(hydra_cfg.sweep.dir).name
-    write_run_config(cfg, run_dir)
-    write_status(run_dir, "running")
     try:
         rc = run_job_process(run_dir)
     finally:
         release_run(run_dir)
     status = read_status(run_dir)
     if rc == REQUEUE_EXIT and status.get("status") == "preempted":
-        # The signal that stopped the job stops the sweep: re-launching it skips the completed jobs.
+        # The signal that stopped the job stops the sweep: re-launching it reuses the completed jobs.
         checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
         raise Preempted(GUARD.received or signal.SIGTERM, checkpoint=checkpoint, phase=f"sweep job {run_dir.name}")
+    return sweep_job_result(run_dir, rc)
+
+
+@dataclass
+class SweepJob:
+    """What one sweep job is to do, decided before anything is written."""
+
+    job_dir: Path  # the job's directory as the sweep names it; a new attempt runs in `<job>_N` beside failed ones
+    cfg: TrainConfig | None  # None: the config failed its checks (`error`)
+    error: str = ""
+    reuse: Path | None = None  # an attempt that completed with this config: its result stands
+
+
+def plan_sweep_job(dcfg: DictConfig, job_dir: Path, sweep_dir: Path, launch_dir: Path) -> SweepJob:
+    """Compose the job's typed config and find an attempt to reuse. Exits with status 2 (SweepConflict's message,
+    multirun.yaml put back) when the job directory holds a job that was asked to run another config."""
+    try:
+        cfg = to_typed(dcfg, launch_dir)
+    except ConfigError as e:
+        return SweepJob(job_dir, None, error=str(e))
+    try:
+        return SweepJob(job_dir, cfg, reuse=earlier_result(job_dir, config_dict(cfg), sweep_dir))
+    except SweepConflict as e:
+        from exp.tracking import mask_secrets
+
+        restore_sweep_record(sweep_dir)
+        print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def start_sweep_job(job: SweepJob, record: DictConfig, run_name: str, group: str) -> Path | None:
+    """Claim the job's run directory and write its records (Hydra's, redacted; the job's config and fingerprint);
+    None when the config failed its checks, recorded there as a failed job."""
+    from exp.security import write_hydra_record
+
+    run_dir = claim_run_dir(job.job_dir)  # an earlier failed attempt keeps its files
+    write_hydra_record(record, run_dir)
+    if job.cfg is None:
+        write_status(run_dir, "failed", error=job.error)
+        release_run(run_dir)
+        log.error("sweep: %s failed: %s", run_dir.name, job.error)
+        return None
+    # W&B: one run per job, named by its overrides, grouped by the sweep.
+    job.cfg.logger.run_name = job.cfg.logger.run_name or run_name or run_dir.name
+    job.cfg.logger.group = job.cfg.logger.group or group
+    record_job(run_dir, config_dict(job.cfg))
+    write_run_config(job.cfg, run_dir)
+    write_status(run_dir, "running")
+    return run_dir
+
+
+def sweep_job_result(run_dir: Path, rc: int) -> float:
+    """The value a finished job returns to the sweeper: its final val/loss, +inf (recorded as failed) otherwise."""
+    from exp.run_dir import read_status
+
+    status = read_status(run_dir)
     if rc != 0 or status.get("status") != "completed":
         if status.get("status") != "failed":  # killed before it could say why
             write_status(run_dir, "failed", error=f"the job process exited with status {rc}")
         log.error("sweep: %s failed (exit %s): %s", run_dir.name, rc, read_status(run_dir).get("error", ""))
         return float("inf")
-    return json.loads((run_dir / "summary.json").read_text())["final_val"]["val/loss"]
+    return final_metric(run_dir)
 
 
 def compose_config(overrides: list[str], launch_dir: Path | None = None) -> TrainConfig:
@@ -468,7 +526,8 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
         try:
             return execute(cfg, out, Path.cwd())
         except BaseException as e:
-            record_stop(out, e)
+            if not (refused(e) and discard_run_dir(out)):
+                record_stop(out, e)
             raise
         finally:
             release_runs()  # the run directory and any run it continued: free for the next call

@@ -1,14 +1,15 @@
 """`hydra/launcher=gpus`: run sweep jobs in parallel on one machine, one GPU each.
 
-Each job is a separate `python -m exp.train <its overrides> hydra.run.dir=<its sweep subdir>` process started with
-`CUDA_VISIBLE_DEVICES` set to one free GPU; a job starts when a GPU frees up. The launching process never
-initialises CUDA (GPUs are counted from CUDA_VISIBLE_DEVICES or `nvidia-smi -L`). Jobs whose run directory already
-says `completed` are skipped, as with the default launcher.
+Each job is a separate `python -m exp.launch job <run dir>` process started with `CUDA_VISIBLE_DEVICES` set to one
+free GPU; a job starts when a GPU frees up. The launching process never initialises CUDA (GPUs are counted from
+CUDA_VISIBLE_DEVICES or `nvidia-smi -L`). Every job is planned before the first starts, as the default launcher
+plans each (exp.train.plan_sweep_job): a job that completed with the same config is reused, and a job directory
+that holds another config stops the launch before anything runs.
 """
 
 # No `from __future__ import annotations`: Hydra imports plugins in a way under which dataclasses cannot resolve
 # string annotations.
-import json
+import copy
 import logging
 import os
 import queue
@@ -24,7 +25,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,17 @@ class GpuLauncherConf:
 ConfigStore.instance().store(group="hydra/launcher", name="gpus", node=GpuLauncherConf, provider="exp")
 
 
-def visible_gpus() -> list[str]:
+def visible_gpus() -> tuple[list[str], str]:
+    """The GPU ids this process may hand out, and where they were counted (for a message when there are none)."""
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
-        return [d.strip() for d in cvd.split(",") if d.strip()]
+        return [d.strip() for d in cvd.split(",") if d.strip()], f"CUDA_VISIBLE_DEVICES is {cvd!r}"
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return []
+        return [], "CUDA_VISIBLE_DEVICES is not set and there is no nvidia-smi (no NVIDIA driver)"
     out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30).stdout
-    return [str(i) for i, _ in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
+    gpus = [str(i) for i, _ in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
+    return gpus, "`nvidia-smi -L` lists no GPU"
 
 
 class GpuPoolLauncher(Launcher):
@@ -58,32 +61,47 @@ class GpuPoolLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
+        if not self.devices:
+            # Here, before the sweeper writes anything: no sweep directory for a launch that cannot run.
+            self.devices, where = visible_gpus()
+            if not self.devices:
+                from exp.preflight import PREFLIGHT_EXIT
+
+                print(
+                    f"exp: error: hydra/launcher=gpus runs each job on a GPU of its own, and this machine has none to "
+                    f"give: {where}. Nothing was run or written. Fix: drop hydra/launcher=gpus to run the jobs one "
+                    "after the other here (on the CPU: hardware=cpu), or name the devices with "
+                    "hydra.launcher.devices=[0,1].",
+                    file=sys.stderr,
+                )
+                sys.exit(PREFLIGHT_EXIT)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from exp.train import plan_sweep_job
+
         assert self.config is not None and self.hydra_context is not None
-        devices = self.devices or visible_gpus()
-        if not devices:
-            raise RuntimeError(
-                "hydra/launcher=gpus found no GPU (CUDA_VISIBLE_DEVICES is empty or nvidia-smi lists none). Use the "
-                "default launcher, or name devices with hydra.launcher.devices=[0,1]."
-            )
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        free: queue.Queue[str] = queue.Queue()
-        for d in devices:
-            free.put(d)
-        log.info("Launching %d jobs on %d GPU(s): %s", len(job_overrides), len(devices), ",".join(devices))
-        results: list = [None] * len(job_overrides)
-        threads = []
+        # Every job is planned first: a conflict stops the launch before any job has started.
+        planned = []
         for i, overrides in enumerate(job_overrides):
             num = initial_job_idx + i
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             with open_dict(job_cfg):
                 job_cfg.hydra.job.num = num
-            run_dir = Path(OmegaConf.to_container(job_cfg.hydra.sweep, resolve=True)["dir"]) / str(
-                OmegaConf.select(job_cfg, "hydra.sweep.subdir", throw_on_missing=False) or num
-            )
-            t = threading.Thread(target=self._run, args=(i, num, list(overrides), run_dir, free, results))
+            job_dir = sweep_dir / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir", throw_on_missing=False) or num)
+            task = copy.deepcopy(job_cfg)
+            with read_write(task), open_dict(task):
+                del task["hydra"]
+            planned.append((num, list(overrides), job_cfg, plan_sweep_job(task, job_dir, sweep_dir, Path.cwd())))
+        free: queue.Queue[str] = queue.Queue()
+        for d in self.devices:
+            free.put(d)
+        log.info("Launching %d jobs on %d GPU(s): %s", len(job_overrides), len(self.devices), ",".join(self.devices))
+        results: list = [None] * len(job_overrides)
+        threads = []
+        for i, (num, overrides, job_cfg, job) in enumerate(planned):
+            t = threading.Thread(target=self._run, args=(i, num, overrides, job_cfg, job, free, results))
             t.start()
             threads.append(t)
         for t in threads:
@@ -91,37 +109,34 @@ class GpuPoolLauncher(Launcher):
         return [r for r in results if r is not None]
 
     def _run(
-        self, i: int, num: int, overrides: list[str], run_dir: Path, free: "queue.Queue[str]", results: list
+        self, i: int, num: int, overrides: list, job_cfg: DictConfig, job, free: "queue.Queue[str]", results: list
     ) -> None:
-        from exp.run_dir import read_status
+        from exp.run_dir import release_run
+        from exp.sweep import final_metric
+        from exp.train import start_sweep_job, sweep_job_result
 
         ret = JobReturn(overrides=overrides, cfg=self.config, hydra_cfg=None)
-        if read_status(run_dir).get("status") == "completed":
-            log.info("job #%d %s already completed, skipped", num, run_dir.name)
-            ret.status, ret.return_value = JobStatus.COMPLETED, _final_metric(run_dir)
+        ret.status = JobStatus.COMPLETED  # a failed job is recorded in its directory and returns +inf, not raised
+        if job.reuse is not None:
+            log.info("job #%d %s already completed with this config, skipped", num, job.reuse.name)
+            ret.return_value = final_metric(job.reuse)
             results[i] = ret
             return
-        device = free.get()  # wait for a GPU
+        device = free.get()  # wait for a GPU; the job's directory is claimed when it starts
         try:
+            hydra_cfg = job_cfg.hydra
+            run_dir = start_sweep_job(job, job_cfg, hydra_cfg.job.override_dirname, Path(hydra_cfg.sweep.dir).name)
+            if run_dir is None:  # its config failed the checks: recorded as failed
+                ret.return_value = float("inf")
+                results[i] = ret
+                return
             log.info("job #%d on GPU %s: %s", num, device, " ".join(overrides))
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
-            # Quoted: job directory names hold the overrides' '=' and ','.
-            cmd = [sys.executable, "-m", "exp.train", *overrides, f'hydra.run.dir="{run_dir}"']
-            rc = subprocess.run(cmd, env=env).returncode
+            try:
+                rc = subprocess.run([sys.executable, "-m", "exp.launch", "job", str(run_dir)], env=env).returncode
+            finally:
+                release_run(run_dir)
         finally:
             free.put(device)
-        if rc != 0 and read_status(run_dir).get("status") != "failed":  # died before it could record why
-            from exp.run_dir import write_status
-
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_status(run_dir, "failed", error=f"the job process exited with status {rc}")
-        value = _final_metric(run_dir) if rc == 0 else float("inf")
-        ret.status, ret.return_value = JobStatus.COMPLETED, value  # a failed job is recorded, not raised
+        ret.return_value = sweep_job_result(run_dir, rc)
         results[i] = ret
-
-
-def _final_metric(run_dir: Path) -> float:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())["final_val"]["val/loss"]
-    except (FileNotFoundError, KeyError):
-        return float("inf")
