@@ -100,7 +100,10 @@ class SampleGenerations(L.Callback):
         model.eval()
         answers = []
         try:
-            with torch.no_grad():
+            # Eager, even with compiled decoder layers (hardware.compile): decoding with a KV cache changes what the
+            # compiled graphs guard on at every layer and step, and the recompiles would use up Dynamo's cache
+            # (8 graphs per function) that the training steps need.
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 for ids in self.prompts:
                     answers.append(self._greedy(model, ids, pl_module.device))
         finally:
