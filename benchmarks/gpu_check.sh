@@ -69,7 +69,7 @@ stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
   log "stage $name: exit $rc after $((SECONDS - t0)) s"
   [ $rc -eq 0 ] || status=1
 }
-BENCH=(python3 -m exp.bench --out-dir "$WORK/bench")
+BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
 run_stage() {
   case $1 in
@@ -84,32 +84,32 @@ run_stage() {
         tail -12 $WORK/readme/*.txt
         for d in outputs/*/*/; do cp \$d/summary.json $WORK/readme/summary-\$(basename \$d).json 2>/dev/null; done" ;;
     bench2b)
-      stage bench2b 420 "${BENCH[@]}" --model gemma_2b --memory-budget baseline --variant baseline --variant exp ;;
+      stage bench2b 420 "${BENCH[@]}" model=gemma_2b memory_budget=baseline variant=baseline variant=exp ;;
     calibration)
       stage calibration 420 python3 benchmarks/memory_calibration.py --models gemma_2b --grid 2048x2 2048x4 2048x8 \
         --ckpt none --losses liger chunked --compile both --out "$WORK/memory_calibration_fast_path" ;;
     bench7b)
       # Lean: a quarter of the baseline's peak at this shape (59.6 GiB measured on the H200).
-      stage bench7b 600 "${BENCH[@]}" --memory-budget baseline --variant baseline --variant exp \
-        --variant "exp hardware.memory_budget_gib=${LEAN_GIB:-14.9}" ;;
+      stage bench7b 600 "${BENCH[@]}" memory_budget=baseline variant=baseline variant=exp \
+        variant="exp hardware.memory_budget_gib=${LEAN_GIB:-14.9}" ;;
     whole)
       ref=$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)
-      stage whole 300 "${BENCH[@]}" ${ref:+--reference "$ref"} --variant "exp hardware.memory_budget_gib=null" ;;
+      stage whole 300 "${BENCH[@]}" ${ref:+reference="$ref"} variant="exp hardware.memory_budget_gib=null" ;;
     real)
-      stage real 540 "${BENCH[@]}" --data "$ALPACA" --seq 1024 --micro-batch 16 --steps 12 --warmup 2 \
-        --variant baseline --variant exp ;;
+      stage real 540 "${BENCH[@]}" data="$ALPACA" seq=1024 micro_batch=16 steps=12 warmup=2 \
+        variant=baseline variant=exp ;;
     lean)
       ref=$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)
       if [ -n "$ref" ]; then
         budget=$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['is_reference']][0]; print(round(r['peak_memory_gib']/4, 2))" "$ref")
-        stage lean 300 "${BENCH[@]}" --reference "$ref" --memory-budget "$budget" --variant exp
+        stage lean 300 "${BENCH[@]}" reference="$ref" memory_budget="$budget" variant=exp
       else
         log "stage lean: no 7B headline result to take the baseline from (run bench7b first)"; status=1
       fi ;;
     capacity)
-      stage capacity 420 "${BENCH[@]}" --micro-batch 64 128 --steps 6 --warmup 2 --variant exp ;;
+      stage capacity 420 "${BENCH[@]}" micro_batch=64,128 steps=6 warmup=2 variant=exp ;;
     bench512)
-      stage bench512 420 "${BENCH[@]}" --seq 512 --micro-batch 32 --steps 12 --variant baseline --variant exp ;;
+      stage bench512 420 "${BENCH[@]}" seq=512 micro_batch=32 steps=12 variant=baseline variant=exp ;;
     *) log "unknown stage $1"; status=1 ;;
   esac
 }

@@ -20,11 +20,11 @@ from exp.model import build_model, build_tokenizer
 from exp.module import build_optimizer
 from exp.synthetic import generate_examples
 
-SMOKE = ["--model", "gemma_tiny", "--seq", "64", "--micro-batch", "2", "--steps", "5", "--warmup", "2"]
+SMOKE = ["model=gemma_tiny", "seq=64", "micro_batch=2", "steps=5", "warmup=2"]
 
 
 def run_bench(out_dir, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "exp.bench", *args, "--out-dir", str(out_dir)]
+    cmd = [sys.executable, "-m", "exp.bench", *args, f"out_dir={out_dir}"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
@@ -36,8 +36,7 @@ def read_report(out_dir) -> tuple[dict, str]:
 def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path):
     # lr 5e-3 so that four updates move the adapters visibly (compared below through the LoRA B norms).
     proc = run_bench(
-        tmp_path, *SMOKE, "--lr", "5e-3", "--variant", "baseline", "--variant", "exp",
-        "--variant", "exp hardware.loss_impl=chunked",
+        tmp_path, *SMOKE, "lr=5e-3", "variant=baseline", "variant=exp", "variant=exp hardware.loss_impl=chunked",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
@@ -45,7 +44,7 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path)
         assert key in report, key
     for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "cuda"):
         assert name in report["versions"]
-    assert report["command"].startswith("python -m exp.bench --model gemma_tiny")
+    assert report["command"].startswith("python -m exp.bench model=gemma_tiny")
     assert report["flops"]["per_token"] == report["flops"]["linear"] + report["flops"]["attention"]
     rows = {r["variant"]: r for r in report["rows"]}
     assert list(rows) == ["baseline", "exp", "exp hardware.loss_impl=chunked"]
@@ -74,18 +73,18 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path)
     # only when it was measured with the same settings.
     [first] = tmp_path.glob("bench-*.json")
     again = tmp_path / "again"
-    proc = run_bench(again, *SMOKE, "--lr", "5e-3", "--variant", "baseline", "--reference", str(first))
+    proc = run_bench(again, *SMOKE, "lr=5e-3", "variant=baseline", f"reference={first}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     reused, _ = read_report(again)
     assert [r["variant"] for r in reused["rows"]] == ["baseline"] and reused["rows"][0]["reference_from"] == str(first)
-    proc = run_bench(again, *SMOKE, "--reference", str(first))  # lr 1e-4: not the same settings
+    proc = run_bench(again, *SMOKE, f"reference={first}")  # lr 1e-4: not the same settings
     assert proc.returncode == 2 and "'lr': (0.005, 0.0001)" in proc.stderr
 
 
 def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
     proc = run_bench(tmp_path, *SMOKE, "lora.r=4")
     assert proc.returncode == 2 and "set by exp.bench for both sides" in proc.stderr
-    proc = run_bench(tmp_path, *SMOKE, "--variant", "baseline fused=true")
+    proc = run_bench(tmp_path, *SMOKE, "variant=baseline fused=true")
     assert proc.returncode == 2 and "ckpt, compile, liger, prepare" in proc.stderr
     assert not list(tmp_path.glob("bench-*"))
 
@@ -208,7 +207,7 @@ def test_fused_adamw_where_torch_has_the_kernel():
 
 @pytest.mark.gpu
 def test_bench_on_gpu_uses_the_fast_path(tmp_path):
-    proc = run_bench(tmp_path, *SMOKE, "--variant", "baseline", "--variant", "exp")
+    proc = run_bench(tmp_path, *SMOKE, "variant=baseline", "variant=exp")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, _ = read_report(tmp_path)
     rows = {r["variant"]: r for r in report["rows"]}
@@ -232,10 +231,10 @@ def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(tmp_path):
     ]
     data = tmp_path / "tiny_alpaca.json"
     data.write_text(json.dumps(rows))
-    args = ["--model", "gemma_tiny", "--seq", "64", "--micro-batch", "8", "--steps", "4", "--warmup", "1"]
+    args = ["model=gemma_tiny", "seq=64", "micro_batch=8", "steps=4", "warmup=1"]
     split = "exp hardware.micro_batch_size=2"  # 4 micro-batches of different lengths per step
-    proc = run_bench(tmp_path, *args, "--data", str(data), "--memory-budget", "baseline",
-                     "--variant", "baseline", "--variant", "exp", "--variant", split)  # fmt: skip
+    proc = run_bench(tmp_path, *args, f"data={data}", "memory_budget=baseline",
+                     "variant=baseline", "variant=exp", f"variant={split}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
     base, exp, accumulated = report["rows"]

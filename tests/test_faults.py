@@ -61,11 +61,16 @@ def test_nan_steps_are_skipped_up_to_the_limit(tmp_path, monkeypatch):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_nan_steps_beyond_the_limit_stop(tmp_path, monkeypatch):
+def test_nan_steps_beyond_the_limit_stop(tmp_path, monkeypatch, capsys):
     poison_step(monkeypatch, {3, 4}, lambda loss: loss * float("nan"))
     with pytest.raises(NonFiniteError, match=r"step 4.*after 1 skipped steps \(trainer.max_skipped_steps=1\)"):
         run([*SHORT, "trainer.on_nonfinite=skip", "trainer.max_skipped_steps=1"], output_dir=tmp_path / "run")
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "failed"
+    # The progress bar's line is ended before the error propagates: the message starts on a line of its own.
+    assert capsys.readouterr().out.endswith("\n")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step 3: NaN/Inf loss or gradients, update skipped" in log
+    assert "run failed: NonFiniteError: step 4" in log
 
 
 def test_out_of_memory_explains_the_estimate_and_what_to_change(tmp_path, monkeypatch):

@@ -242,7 +242,7 @@ def test_bad_arguments_name_the_key(short_run, capsys):
     from exp.generate import main
 
     code, err = in_process(main, [f"run={short_run.output_dir}", "promt=hi"], capsys)
-    assert code == 2 and "unknown argument 'promt'" in err and "prompt" in err
+    assert code == 2 and "unknown key 'promt'" in err and "Did you mean prompt=" in err
     code, err = in_process(main, [f"run={short_run.output_dir}", "prompt=hi", "max_new_tokens=many"], capsys)
     assert code == 2 and "max_new_tokens=many" in err
 

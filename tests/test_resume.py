@@ -7,6 +7,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,6 +135,14 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
     resumed = cli(tmp_path, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_training(uninterrupted, tmp_path / "first", tmp_path / "second")
+    # The continuation's bar knows its total and gives an ETA (from its own pace, not the resumed steps'); its log
+    # says what it continued and holds the steps it ran.
+    assert re.search(r"Training: +\d+%\|[^|]*\| [2-5]\d/60 \[\d\d:\d\d<\d\d:\d\d,", resumed.stdout), resumed.stdout[
+        -2000:
+    ]
+    log = (tmp_path / "second" / "train.log").read_text()
+    assert "resuming from" in log and f"step {last['global_step'] + 1}: train/" in log and "step 60: val/" in log
+    assert "run preempted: Preempted: stopped by SIGTERM" in (tmp_path / "first" / "train.log").read_text()
     # The same W&B run continues: both offline run directories carry one run id.
     ids = {
         p.name.rsplit("-", 1)[-1] for d in ("first", "second") for p in (tmp_path / d / "wandb").glob("offline-run-*")

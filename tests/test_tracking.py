@@ -264,6 +264,7 @@ def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
         "trainer.max_steps=3",
         "trainer.warmup_steps=0",
         "trainer.val_every_n_steps=3",
+        "trainer.log_every_n_steps=1",
         "data.num_examples=200",
         f"hydra.run.dir={run_dir}",
     ]
@@ -278,6 +279,16 @@ def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
     output = proc.stdout + proc.stderr
     assert "Create a W&B account" not in output and "Enter your choice" not in output  # W&B's login prompt
     assert not (launch / "wandb").exists() and not (launch / "outputs").exists()
+    # The console is concise: no Lightning or W&B boilerplate; the step-0 evaluation is named as such.
+    assert "GPU available" not in output and "wandb: WARNING" not in output and "v_num" not in output
+    assert "Step-0 evaluation" in proc.stdout and "Sanity Checking" not in proc.stdout
+    # train.log holds everything: third-party INFO lines, the metrics of every logged step, the summary.
+    log = (run_dir / "train.log").read_text()
+    assert "GPU available: False" in log and "W&B: offline run" in log
+    assert "step 0: val/exact_match=0" in log  # the step-0 evaluation
+    for step in (1, 2, 3):
+        assert f"step {step}: train/grad_norm=" in log and "train/loss=" in log
+    assert "step 3: val/exact_match=" in log and "summary\nexp: 3 steps in" in log and "adapter " in log
 
 
 def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch, caplog):

@@ -1,9 +1,9 @@
 """`python -m exp.bench`: exp's training step against the hand-written QLoRA loop, on the same tokens.
 
     python -m exp.bench                                   # the headline: Gemma-7B shape, seq 2048 x 8, baseline vs exp
-    python -m exp.bench --ablate                          # + exp without each of its levers, the baseline with one
-    python -m exp.bench --model gemma_tiny --seq 64 --micro-batch 2 --steps 6 --warmup 2     # CPU smoke test
-    python -m exp.bench --variant exp --micro-batch 8 16 32                                 # capacity
+    python -m exp.bench ablate=true                       # + exp without each of its levers, the baseline with one
+    python -m exp.bench model=gemma_tiny seq=64 micro_batch=2 steps=6 warmup=2      # CPU smoke test
+    python -m exp.bench variant=exp micro_batch=8,16,32                             # capacity
 
 Each variant runs in a fresh process (a monkey-patching lever or a compiled graph cannot leak into the next one,
 and every process's peak memory is its own) on the same model shape, LoRA settings, optimiser and token batches:
@@ -17,14 +17,13 @@ in the published architecture, `model.random_init=true`) is built once into exp'
   `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of `exp.trainer.build_trainer`
   with a CSV logger, fed these batches instead of a data module. `exp hardware.loss_impl=hf` etc. add overrides.
 
-Writes <out-dir>/bench-<model>-<seq>x<micro-batch>-<time>.json and .md (after every variant, so an interrupted
+Writes <out_dir>/bench-<model>-<seq>x<micro-batch>-<time>.json and .md (after every variant, so an interrupted
 run keeps what it measured). Exit status 1 when a variant failed (out of memory is a result, not a failure) or an exp
-variant's losses left the baseline's by more than --parity-tol.
+variant's losses left the baseline's by more than parity_tol.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import json
 import platform
@@ -36,16 +35,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from exp.bench_baseline import ALL_PROJECTIONS
+from exp.cli import USAGE_EXIT, Key, Tool, dotted, parse
+from exp.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dense bf16 matmul throughput an H200 reaches (8192^3 products through PyTorch, measured at 769-798 TFLOP/s):
-# MFU's denominator. Pass --peak-tflops for another GPU.
+# MFU's denominator. Pass peak_tflops= for another GPU.
 H200_BF16_TFLOPS = 790.0
 PARITY_STEPS = 30  # the issue's "first 30 steps"
-# Settings the bench owns for both sides (flags): an override of them would change only the exp side.
+# Settings the bench owns for both sides (its own keys): an override of them would change only the exp side.
 BENCH_OWNED = (
     "model",
     "lora",
@@ -145,8 +147,8 @@ def check_overrides(overrides: list[str]) -> None:
         key = option.lstrip("+~").partition("=")[0]
         if any(key == owned or key.startswith(owned + ".") for owned in BENCH_OWNED):
             raise ValueError(
-                f"{option!r}: {key} is set by exp.bench for both sides (use its flags: --model, --seq, --micro-batch, "
-                "--steps, --lora-*, --lr); as an exp override it would change one side only"
+                f"{option!r}: {key} is set by exp.bench for both sides (use its keys: model=, seq=, micro_batch=, "
+                "steps=, lora_*=, lr=); as an exp override it would change one side only"
             )
 
 
@@ -499,7 +501,7 @@ def run_variant(settings: Settings, variant: Variant, tmp: Path, index: int) -> 
     started = time.time()
     with log_path.open("w") as log_file:
         proc = subprocess.run(
-            [sys.executable, "-m", "exp.bench", "--worker", str(spec)], stdout=log_file, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "exp.bench", f"worker={spec}"], stdout=log_file, stderr=subprocess.STDOUT
         )
     row: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {"status": "failed"}
     row["wall_s"] = round(time.time() - started, 1)
@@ -672,7 +674,7 @@ def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> 
     theirs = {**Settings().__dict__, **earlier["settings"], "micro_batch": None, "memory_budget": None}
     if mine != theirs:
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-        raise ValueError(f"--reference {path}: measured with other settings (theirs, ours): {diff}")
+        raise ValueError(f"reference={path}: measured with other settings (theirs, ours): {diff}")
     rows = [
         {**r, "reference_from": str(path)}
         for r in earlier["rows"]
@@ -680,93 +682,108 @@ def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> 
     ]
     missing = sorted(set(micro_batches) - {r["micro_batch"] for r in rows})
     if missing:
-        raise ValueError(f"--reference {path}: no successful plain-baseline row for micro-batch {missing}")
+        raise ValueError(f"reference={path}: no successful plain-baseline row for micro-batch {missing}")
     return rows
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m exp.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def bench_tool() -> Tool:
     d = Settings()
-    p.add_argument("--model", default=d.model, help="a conf/model option (random weights); default %(default)s")
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--micro-batch", type=int, nargs="+", default=[d.micro_batch], help="one or more (capacity)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps per variant (losses of each kept)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed first steps")
-    p.add_argument("--lora-r", type=int, default=d.lora_r)
-    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout)
-    p.add_argument("--lora-targets", default="all", help="'all' (the 7 projections) or a comma-separated list")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument(
-        "--variant",
-        action="append",
-        metavar="SPEC",
-        help="'baseline [prepare|ckpt|liger|compile=true|false ...]' or 'exp [override ...]'; repeatable. "
-        "Default: baseline and exp",
+    return Tool(
+        "exp.bench",
+        __doc__,
+        (
+            Key("model", d.model, "a conf/model option (random weights)"),
+            Key("seq", d.seq, "tokens per row (data.max_seq_len in real-data mode)"),
+            Key(
+                "micro_batch", [d.micro_batch], "rows per step; several (8,16,32) measure capacity", kind=int, many=True
+            ),
+            Key("steps", d.steps, "optimiser steps per variant (the loss of each is kept)"),
+            Key("warmup", d.warmup, "untimed first steps"),
+            Key("lora_r", d.lora_r, "LoRA rank"),
+            Key("lora_alpha", d.lora_alpha, "LoRA alpha"),
+            Key("lora_dropout", d.lora_dropout, "LoRA dropout"),
+            Key("lora_targets", "all", "'all' (the 7 projections) or a comma-separated list of module names"),
+            Key("lr", d.lr, "learning rate"),
+            Key("seed", d.seed, "token batches (seed + step) and LoRA initialisation"),
+            Key("device", "auto", "where to run", choices=("auto", "cuda", "cpu")),
+            Key(
+                "variant",
+                [],
+                "'baseline [prepare|ckpt|liger|compile=true|false ...]' or 'exp [override ...]' (quoted); repeat the "
+                "key for more. Default: baseline and exp",
+                many=True,
+                split=False,
+                placeholder="SPEC",
+            ),
+            Key("ablate", False, "run the ablation set (+ any variant=): " + "; ".join(ABLATION)),
+            Key("parity_steps", PARITY_STEPS, "the first steps whose losses are compared with the baseline's"),
+            Key("parity_tol", 0.01, "max relative loss difference from the baseline"),
+            Key("peak_tflops", H200_BF16_TFLOPS, "MFU's denominator (GPU only)"),
+            Key(
+                "reference",
+                None,
+                "take the plain baseline's rows from this earlier result (same settings) instead of running it again",
+                placeholder="JSON",
+            ),
+            Key(
+                "memory_budget",
+                None,
+                "GPU memory exp's preflight may plan for (hardware.memory_budget_gib): GiB, or 'baseline' for the "
+                "plain baseline's measured peak (the baseline then runs first)",
+                placeholder="GiB|baseline",
+            ),
+            Key(
+                "data",
+                None,
+                "real-data mode: an Alpaca-format file; micro_batch is the examples per step, seq data.max_seq_len",
+                placeholder="FILE",
+            ),
+            Key("out_dir", str(ROOT / "benchmarks" / "results"), "where the .json and .md results go"),
+            Key("worker", None, "internal: run one variant from its spec file", hidden=True),
+        ),
+        passes=dotted,
+        passes_help=("a.b=value", "an exp config override for every exp variant (hardware.loss_impl=chunked, ...)"),
     )
-    p.add_argument(
-        "--ablate", action="store_true", help="run the ablation set (+ any --variant): " + "; ".join(ABLATION)
-    )
-    p.add_argument(
-        "overrides", nargs="*", help="exp config overrides for every exp variant (levers: hardware.loss_impl=..., ...)"
-    )
-    p.add_argument("--parity-steps", type=int, default=PARITY_STEPS)
-    p.add_argument("--parity-tol", type=float, default=0.01, help="max relative loss difference (default 1%%)")
-    p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="MFU denominator (GPU only)")
-    p.add_argument(
-        "--reference",
-        metavar="JSON",
-        help="take the plain baseline's rows from this earlier result (same settings) instead of running it again",
-    )
-    p.add_argument(
-        "--memory-budget",
-        metavar="GiB|baseline",
-        help="GPU memory exp's preflight may plan for (hardware.memory_budget_gib): a number of GiB, or 'baseline' "
-        "for the plain baseline's measured peak (the baseline then runs first)",
-    )
-    p.add_argument(
-        "--data",
-        metavar="FILE",
-        help="real-data mode: an Alpaca-format file; --micro-batch is the examples per step, --seq data.max_seq_len",
-    )
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+
+
+def parse_args(argv: list[str]) -> SimpleNamespace:
+    """The bench's `key=value` arguments, checked; its exp overrides are `.overrides`."""
+    parsed = parse(bench_tool(), argv)
+    a = SimpleNamespace(**parsed.values, overrides=parsed.passed)
     if a.steps <= a.warmup:
-        p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup}): no step would be timed")
+        raise ConfigError(f"steps={a.steps} must be larger than warmup={a.warmup}: no step would be timed")
     if a.memory_budget not in (None, "baseline"):
         try:
             if float(a.memory_budget) <= 0:
                 raise ValueError
         except ValueError:
-            p.error(f"--memory-budget {a.memory_budget}: a positive number of GiB, or 'baseline'")
+            raise ConfigError(f"memory_budget={a.memory_budget}: a positive number of GiB, or 'baseline'") from None
     if a.data:
         a.data = str(Path(a.data).resolve())
         if not Path(a.data).is_file():
-            p.error(f"--data {a.data}: no such file")
+            raise ConfigError(f"data={a.data}: no such file")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    a = parse_args(argv)
+    try:
+        a = parse_args(argv)
+    except ConfigError as e:
+        print(f"exp: error: {e}", file=sys.stderr)
+        return USAGE_EXIT
     if a.worker:
         worker_main(Path(a.worker))
         return 0
     import torch
 
-    from exp.config import ConfigError
     from exp.memory import config_arch
     from exp.tracking import _git_state
     from exp.train import compose_config
 
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     targets = ALL_PROJECTIONS if a.lora_targets == "all" else a.lora_targets.split(",")
-    texts = list(dict.fromkeys([*(ABLATION if a.ablate else []), *(a.variant or [])])) or ["baseline", "exp"]
+    texts = list(dict.fromkeys([*(ABLATION if a.ablate else []), *a.variant])) or ["baseline", "exp"]
     try:
         check_overrides(a.overrides)
         variants = [Variant.parse(t) for t in texts]
@@ -778,15 +795,15 @@ def main(argv: list[str] | None = None) -> int:
                         a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
     except (ValueError, ConfigError) as e:
-        print(f"exp.bench: error: {e}", file=sys.stderr)
-        return 2
+        print(f"exp: error: exp.bench: {e}", file=sys.stderr)
+        return USAGE_EXIT
     reused: list[dict[str, Any]] = []
     if a.reference:
         try:
             reused = reference_rows(Path(a.reference), base, a.micro_batch)
         except ValueError as e:
-            print(f"exp.bench: error: {e}", file=sys.stderr)
-            return 2
+            print(f"exp: error: exp.bench: {e}", file=sys.stderr)
+            return USAGE_EXIT
         variants = [v for v in variants if not v.is_reference]
     arch = config_arch(cfg)
     flops = model_flops_per_token(arch, a.seq)

@@ -311,6 +311,9 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # Name of the experiment (set by `experiment=` files); becomes a tag and part of the run name.
     experiment_name: str | None = None
+    # The console shows exp's own lines and warnings; true (or -v) adds the INFO logs of Lightning, transformers and
+    # W&B and the model-loading bars. train.log in the run directory gets everything either way.
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         problems = _validate(self)

@@ -12,6 +12,10 @@ import importlib.metadata as md
 import platform
 import sys
 
+from exp.cli import Parsed, Tool, run_tool
+
+TOOL = Tool("exp.doctor", __doc__, hydra=True)
+
 
 def _version(name: str) -> str:
     try:
@@ -49,17 +53,17 @@ def report_environment(env) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exp.config import ConfigError, QuantType
+    return run_tool(TOOL, _doctor, argv)
+
+
+def _doctor(args: Parsed) -> int:
+    from exp.config import QuantType
     from exp.loss import planned_loss_impl
     from exp.memory import estimate_for_config
     from exp.preflight import PREFLIGHT_EXIT, check, probe_environment
     from exp.train import compose_config
 
-    try:
-        cfg = compose_config(list(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:
-        print(f"exp: error: {e}", file=sys.stderr)
-        return 2
+    cfg = compose_config(args.passed)
     # The doctor always looks at the GPUs, whatever the config asks for.
     env = probe_environment(check_bitsandbytes=cfg.quantization.quant_type != QuantType.none, need_gpus=True)
     print("== environment ==")

@@ -24,19 +24,46 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from exp.cli import Key, Tool
 from exp.config import ConfigError, DataConfig, DataFormat
-from exp.inference import LoadedRun, load_run, parse_args, resolve_run_dir, run_cli
+from exp.inference import (
+    RUN_CONFIG_HELP,
+    RUN_KEYS,
+    VERBOSE_KEY,
+    LoadedRun,
+    load_run,
+    parse_args,
+    passes_run_config,
+    resolve_run_dir,
+    run_cli,
+)
 from exp.run_dir import write_json
 
-ARGS: dict[str, Any] = {
-    "run": None,  # the run directory
-    "ckpt": None,  # a Lightning checkpoint of that run: its adapter weights replace adapter/
-    "data": None,  # an Alpaca-style JSON/JSONL file (or directory) evaluated in full instead of the held-out split
-    "name": None,  # names the report eval_<name>.json (default: the data file's and the checkpoint's stems)
-    "batch_size": 0,  # 0: the run's hardware.micro_batch_size
-    "lm_eval": None,  # comma-separated lm-evaluation-harness tasks
-    "lm_eval_limit": 0,  # examples per lm-eval task (0: all)
-}
+TOOL = Tool(
+    "exp.evaluate",
+    __doc__,
+    (
+        *RUN_KEYS,
+        Key(
+            "data",
+            None,
+            "an Alpaca-style JSON/JSONL file (or directory), evaluated in full instead of the held-out split",
+            placeholder="FILE",
+        ),
+        Key("name", None, "names the report eval_<name>.json [default: the data file's and the checkpoint's stems]"),
+        Key("batch_size", 0, "examples per forward pass (0: the run's hardware.micro_batch_size)"),
+        Key(
+            "lm_eval",
+            None,
+            "comma-separated lm-evaluation-harness tasks (hellaswag,arc_easy), when installed",
+            placeholder="TASKS",
+        ),
+        Key("lm_eval_limit", 0, "examples per lm-eval task (0: all)"),
+        VERBOSE_KEY,
+    ),
+    passes=passes_run_config,
+    passes_help=RUN_CONFIG_HELP,
+)
 
 
 def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str]) -> DataConfig:
@@ -122,7 +149,7 @@ def run_lm_eval(loaded: LoadedRun, tasks: str, batch_size: int, limit: int) -> d
 
 def evaluate(argv: list[str]) -> dict[str, Any]:
     """Parse `key=value` arguments, score the run, write and print the report; returns it."""
-    args = parse_args(argv, ARGS, "exp.evaluate")
+    args = parse_args(argv, TOOL)
     run_dir = resolve_run_dir(args["run"], args["ckpt"], "exp.evaluate")
     ckpt = Path(args["ckpt"]).expanduser() if args["ckpt"] else None
     if args["lm_eval"]:
@@ -158,7 +185,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli("exp.evaluate", evaluate, argv)
+    run_cli(TOOL, evaluate, argv)
 
 
 if __name__ == "__main__":

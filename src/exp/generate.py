@@ -24,23 +24,40 @@ from typing import Any
 
 import torch
 
+from exp.cli import Key, Tool
 from exp.config import ConfigError
-from exp.inference import LoadedRun, load_run, parse_args, resolve_run_dir, run_cli
+from exp.inference import (
+    MODEL_PATH_HELP,
+    RUN_KEYS,
+    VERBOSE_KEY,
+    LoadedRun,
+    load_run,
+    parse_args,
+    passes_model_path,
+    resolve_run_dir,
+    run_cli,
+)
 
-ARGS: dict[str, Any] = {
-    "run": None,
-    "ckpt": None,  # a Lightning checkpoint of the run: its adapter weights replace adapter/
-    "prompt": None,  # the instruction (alpaca) or the user message (chat)
-    "input": "",  # the Alpaca template's Input field
-    "template": "alpaca",  # alpaca | chat
-    "interactive": False,
-    "max_new_tokens": 64,
-    "do_sample": False,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "seed": 0,
-}
 TEMPLATES = ("alpaca", "chat")
+TOOL = Tool(
+    "exp.generate",
+    __doc__,
+    (
+        *RUN_KEYS,
+        Key("prompt", None, "the instruction (template=alpaca) or the user message (template=chat)"),
+        Key("input", "", "the Alpaca template's Input field"),
+        Key("template", "alpaca", "the prompt format", choices=TEMPLATES),
+        Key("interactive", False, "read one prompt per line from stdin, until an empty line"),
+        Key("max_new_tokens", 64, "the longest answer, in tokens"),
+        Key("do_sample", False, "sample instead of greedy decoding"),
+        Key("temperature", 1.0, "sampling temperature"),
+        Key("top_p", 1.0, "nucleus sampling's probability mass"),
+        Key("seed", 0, "the sampling seed (same seed, same text)"),
+        VERBOSE_KEY,
+    ),
+    passes=passes_model_path,
+    passes_help=MODEL_PATH_HELP,
+)
 
 
 @dataclass
@@ -132,7 +149,7 @@ def answer(loaded: LoadedRun, prompt: str, input_text: str, opts: GenerationOpti
 
 
 def generate(argv: list[str]) -> None:
-    args = parse_args(argv, ARGS, "exp.generate")
+    args = parse_args(argv, TOOL)
     opts = GenerationOptions(**{k: args[k] for k in GenerationOptions.__dataclass_fields__})
     if not args["interactive"] and not args["prompt"]:
         raise ConfigError(
@@ -158,7 +175,7 @@ def generate(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli("exp.generate", generate, argv)
+    run_cli(TOOL, generate, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Shared by `exp.evaluate`, `exp.generate` and `exp.merge`. The base is loaded through `exp.model.load_base_model`,
 the same code training used, so the numbers match training's (bitsandbytes' CPU inference repacking stays off).
-Also holds the small `key=value` argument parser of those commands: they take a run directory, not a Hydra
+Also holds what their command lines share (exp.cli parses them): they take a run directory, not a Hydra
 composition, and must not create Hydra run directories.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from exp.cli import VERBOSE_HELP, Key, Parsed, Tool, parse, run_tool
 from exp.config import Accelerator, ConfigError, QuantizationConfig, QuantType, Strategy, TrainConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-BAD_INPUT_EXIT = 2
 
 
 @dataclass
@@ -36,50 +36,52 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def parse_args(argv: list[str], allowed: dict[str, Any], command: str) -> dict[str, Any]:
-    """`key=value` arguments, typed like the defaults in `allowed` (None: a string). `data.<field>=` passes through
-    (checked later against the data schema). Unknown keys and malformed values raise ConfigError naming them."""
-    args = dict(allowed)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{command}: argument '{item}' is not key=value. Allowed keys: {', '.join(allowed)}.")
-        if key.startswith("data.") or key == "model.path":
-            args[key] = value
-            continue
-        if key not in allowed:
-            raise ConfigError(f"{command}: unknown argument '{key}' (in '{item}'). Allowed keys: {', '.join(allowed)}.")
-        default = allowed[key]
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(value)
-                args[key] = value.lower() in ("true", "1", "yes")
-            elif isinstance(default, int):
-                args[key] = int(value)
-            elif isinstance(default, float):
-                args[key] = float(value)
-            else:
-                args[key] = value
-        except ValueError:
-            kind = type(default).__name__
-            raise ConfigError(f"{command}: {key}={value}: expected a {kind}, e.g. {key}={default}") from None
-    return args
+def parse_args(argv: list[str], tool: Tool) -> dict[str, Any]:
+    """The tool's `key=value` arguments, typed, with the `data.<field>=` / `model.path=` ones it passes on (as
+    strings, checked later against the schema). Bad arguments raise UsageError naming them."""
+    parsed = parse(tool, argv)
+    return {**parsed.values, **dict(arg.split("=", 1) for arg in parsed.passed)}
 
 
-def run_cli(command: str, body: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
-    """Run a command's body; bad input ends with one `exp: error: ...` paragraph and exit status 2."""
-    from exp.model import quiet_third_party_logs
+def passes_run_config(key: str) -> bool:
+    """`data.<field>=` and `model.path=`: the parts of a run's config exp.evaluate lets one change."""
+    return key.startswith("data.") or key == "model.path"
 
-    quiet_third_party_logs()
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the answer / the report
-    try:
-        body(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(f"exp: error: {e}", file=sys.stderr)
-        sys.exit(BAD_INPUT_EXIT)
+def passes_model_path(key: str) -> bool:
+    return key == "model.path"
+
+
+MODEL_PATH_HELP = ("model.path=DIR", "the base model's directory, when it has moved since training")
+RUN_CONFIG_HELP = (
+    "data.<field>=VALUE",
+    "a field of the run's data config (data.max_seq_len=512); model.path=DIR: the base model's directory",
+)
+RUN_KEYS = (
+    Key("run", None, "the run directory exp.train wrote (outputs/<date>/<time>)", placeholder="DIR"),
+    Key(
+        "ckpt",
+        None,
+        "a checkpoint of that run (<run>/checkpoints/*.ckpt): its adapter weights replace adapter/",
+        placeholder="FILE",
+    ),
+)
+VERBOSE_KEY = Key("verbose", False, VERBOSE_HELP)
+
+
+def run_cli(tool: Tool, body: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
+    """Run a command's body; `--help` prints its keys, and bad input ends with one `exp: error: ...` paragraph
+    and exit status 2."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def quiet_then_body(args: Parsed) -> None:
+        from exp.model import quiet_third_party_logs
+
+        quiet_third_party_logs(args.values["verbose"])  # also the "Loading weights" bars, which would bury the output
+        body(argv)
+
+    if code := run_tool(tool, quiet_then_body, argv):
+        sys.exit(code)
 
 
 def resolve_run_dir(run: str | None, ckpt: str | None, command: str) -> Path:

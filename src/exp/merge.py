@@ -36,9 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from exp.cli import Key, Tool
 from exp.config import ConfigError
 from exp.data import IGNORE_INDEX
 from exp.inference import (
+    MODEL_PATH_HELP,
+    RUN_KEYS,
+    VERBOSE_KEY,
     adapter_dir_of,
     default_device,
     load_adapter,
@@ -46,21 +50,28 @@ from exp.inference import (
     load_checkpoint_adapter,
     load_run,
     parse_args,
+    passes_model_path,
     resolve_run_dir,
     run_cli,
     run_config,
 )
 from exp.run_dir import write_json
 
-ARGS: dict[str, Any] = {
-    "run": None,
-    "out": None,  # where the merged checkpoint goes
-    "ckpt": None,  # a Lightning checkpoint of the run: merge its adapter weights instead of adapter/
-    "overwrite": False,  # replace an existing non-empty `out`
-    "examples": 16,  # held-out examples of the parity report
-    "base": "dequantized",  # dequantized | original: which base weights the delta is added to
-}
 BASES = ("dequantized", "original")
+TOOL = Tool(
+    "exp.merge",
+    __doc__,
+    (
+        *RUN_KEYS,
+        Key("out", None, "where the merged checkpoint goes (a new or empty directory)", placeholder="DIR"),
+        Key("overwrite", False, "replace an existing non-empty out"),
+        Key("examples", 16, "held-out examples of the parity report"),
+        Key("base", "dequantized", "which base weights the adapter's delta is added to", choices=BASES),
+        VERBOSE_KEY,
+    ),
+    passes=passes_model_path,
+    passes_help=MODEL_PATH_HELP,
+)
 # Max |logit difference| allowed between the merged model and the unmerged one (and its reloaded copy), by compute
 # dtype: float round-off of adding B @ A into W once instead of at every forward. Above it the merge is wrong.
 MERGE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
@@ -144,15 +155,13 @@ def merge(argv: list[str]) -> dict[str, Any]:
 
     from exp.model import compute_dtype
 
-    args = parse_args(argv, ARGS, "exp.merge")
+    args = parse_args(argv, TOOL)
     run_dir = resolve_run_dir(args["run"], args["ckpt"], "exp.merge")
     out = check_out_dir(args["out"], args["overwrite"])
     ckpt = Path(args["ckpt"]).expanduser() if args["ckpt"] else None
     adapter_dir = adapter_dir_of(run_dir)
     started = time.time()
     device = default_device()
-    if args["base"] not in BASES:
-        raise ConfigError(f"base={args['base']}: allowed values are {', '.join(BASES)}")
     dequantize = args["base"] == "dequantized"
     cfg = run_config(run_dir, device, args, quantized=dequantize)
     dtype = compute_dtype(cfg.hardware.precision)
@@ -237,7 +246,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_cli("exp.merge", merge, argv)
+    run_cli(TOOL, merge, argv)
 
 
 if __name__ == "__main__":

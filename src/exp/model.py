@@ -297,14 +297,22 @@ def count_parameters(model: nn.Module) -> dict[str, Any]:
     return {"trainable": trainable, "total": total}
 
 
-def quiet_third_party_logs() -> None:
-    """Keep the console to what a user acts on.
+def quiet_third_party_logs(verbose: bool = False) -> None:
+    """Keep the console to what a user acts on (`verbose`: also transformers' INFO lines and loading bars).
 
     bitsandbytes logs the absence of an optional CPU kernel package; Lightning installs a second console handler
-    (every line would print twice next to Hydra's) and advertises a cloud logger.
+    (every line would print twice next to Hydra's) and advertises a cloud logger; transformers draws a "Loading
+    weights" bar per model load, which buries the lines around it.
     """
     import warnings
 
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_logging.set_verbosity_info()
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -319,3 +327,5 @@ def quiet_third_party_logs() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
     # QLoRAModule counts tokens in this hook and exp's data module has none: there is nothing to choose between.
     warnings.filterwarnings("ignore", message=".*overridden `on_before_batch_transfer`.*LightningDataModule")
+    # A continued run writes its checkpoints into its own run directory by design (docs/resume.md).
+    warnings.filterwarnings("ignore", message="The dirpath has changed from")

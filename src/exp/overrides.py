@@ -60,10 +60,13 @@ def _not_a_field(shown: str, parts: list[str], depth: int, fields: dict[str, Any
 def check_cli_overrides(args: list[str]) -> list[str]:
     """One message per `a.b=value` override whose key path is not in the schema, or that puts a secret into the
     training config. Flags, `~` deletions, group choices and Hydra's own `hydra.*` keys are skipped."""
+    from exp.cli import not_key_value
     from exp.tracking import SECRET_NAME
 
     problems = []
     for arg in args:
+        if "=" not in arg and not arg.startswith(("-", "~")):
+            problems.append(not_key_value("exp.train", arg) + " python -m exp.train --help lists the config.")
         if arg.startswith(("-", "~")) or "=" not in arg:
             continue
         key = arg.split("=", 1)[0].lstrip("+")
@@ -89,6 +92,18 @@ def check_cli_overrides(args: list[str]) -> list[str]:
                 break
             node = fields[part]
     return problems
+
+
+def config_key(name: str) -> str | None:
+    """The config key a flag-style name most likely means: a group or top-level key as it is (`model`), a field by
+    its name when one group has it (`max_steps` -> `trainer.max_steps`); None when none or several match."""
+    top = _fields(TrainConfig)
+    if name in top:
+        return name
+    matches = [
+        f"{group}.{name}" for group, cls in top.items() if dataclasses.is_dataclass(cls) and name in _fields(cls)
+    ]
+    return matches[0] if len(matches) == 1 else None
 
 
 def unknown_keys(config: dict[str, Any], schema: type = TrainConfig, path: str = "") -> list[str]:
@@ -125,8 +140,18 @@ def check_command_line(
     from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
 
-    args = get_args_parser().parse_args(argv)
-    problems = check_cli_overrides(args.overrides)
+    from exp.cli import flag_value, unknown_flag
+
+    args, unknown = get_args_parser().parse_known_args(argv)
+    problems, values = [], []
+    for i, arg in enumerate(argv):
+        if arg in unknown:
+            problems.append(
+                unknown_flag("exp.train", arg, flag_value(argv, i), config_key)
+                + " python -m exp.train --help lists the config; --hydra-help lists Hydra's flags (-m, --cfg, ...)."
+            )
+            values.append(flag_value(argv, i))
+    problems += check_cli_overrides([a for a in args.overrides if a not in values])
     if args.experimental_rerun:
         problems.append(
             "--experimental-rerun: exp does not re-run pickled configs (unpickling a file can run any code). Run the "

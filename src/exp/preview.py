@@ -14,9 +14,11 @@ import statistics
 import sys
 from typing import Any
 
+from exp.cli import Key, Parsed, Tool, run_tool
 from exp.data import IGNORE_INDEX, InstructionDataModule
 
 DIM, RESET = "\033[2m", "\033[0m"
+TOOL = Tool("exp.preview", __doc__, (Key("n", 3, "training examples to print"),), hydra=True)
 
 
 def render_tokens(tokenizer: Any, input_ids: list[int], labels: list[int], color: bool = False) -> str:
@@ -103,27 +105,20 @@ def report(dm: InstructionDataModule, n: int, color: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exp.config import ConfigError
+    return run_tool(TOOL, _preview, argv)
+
+
+def _preview(args: Parsed) -> int:
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.train import compose_config
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    n = 3
-    for a in [a for a in args if a.startswith("n=")]:
-        args.remove(a)
-        n = int(a[2:])
-    quiet_third_party_logs()
-    try:
-        cfg = compose_config(args)
-        tokenizer = build_tokenizer(cfg.model)
-        dm = build_datamodule(
-            cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, cfg.accumulate_grad_batches * cfg.data_parallel_size
-        )
-    except ConfigError as e:
-        print(f"exp: error: {e}", file=sys.stderr)
-        return 2
-    print(report(dm, n, color=sys.stdout.isatty()))
+    cfg = compose_config(args.passed)
+    quiet_third_party_logs(cfg.verbose)
+    tokenizer = build_tokenizer(cfg.model)
+    step_micro_batches = cfg.accumulate_grad_batches * cfg.data_parallel_size
+    dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, step_micro_batches)
+    print(report(dm, args.values["n"], color=sys.stdout.isatty()))
     return 0
 
 

@@ -1,15 +1,14 @@
-"""`python -m exp.report <sweep dir or run dirs> [--out DIR] [--metric val/loss]`: one table and plots for a study.
+"""`python -m exp.report <sweep dir or run dirs> [out=DIR] [metric=val/loss]`: one table and plots for a study.
 
 Reads only what every run leaves on disk (status.json, summary.json, csv/metrics.csv, .hydra/overrides.yaml), so it
 works while a sweep is running (unfinished jobs show as `running`, or `interrupted` once no process runs them) and
 after jobs failed (`failed` with the error).
 Writes report.md, report.csv and PNG plots (loss curves of all jobs; the metric against each swept parameter) into
-the sweep or run directory it is given, or `--out` (required for several paths): never the current directory.
+the sweep or run directory it is given, or `out=` (required for several paths): never the current directory.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -18,7 +17,24 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exp.cli import Key, Parsed, Tool, run_tool
+from exp.config import ConfigError
 from exp.run_dir import read_status, run_state
+
+TOOL = Tool(
+    "exp.report",
+    __doc__,
+    (
+        Key(
+            "out",
+            None,
+            "where report.md, report.csv and the plots go [default: the sweep directory]",
+            placeholder="DIR",
+        ),
+        Key("metric", "val/loss", "the optimised metric (lower is better)"),
+    ),
+    positional="DIR",
+)
 
 
 @dataclass
@@ -163,32 +179,32 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m exp.report", description=__doc__.splitlines()[0])
-    p.add_argument("paths", nargs="+", type=Path, help="a sweep directory, or run directories")
-    p.add_argument(
-        "--out", type=Path, help="where report.md / report.csv / plots go (default: the sweep or run directory)"
-    )
-    p.add_argument("--metric", default="val/loss", help="the optimised metric (lower is better)")
-    a = p.parse_args(argv)
-    missing = [str(x) for x in a.paths if not x.exists()]
-    if missing:
-        print(f"exp: error: no such directory: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    runs = find_runs(a.paths)
-    if not runs:
-        print(f"exp: error: no run directories (with status.json or .hydra/) under {a.paths}", file=sys.stderr)
-        return 2
-    if a.out is None and len(a.paths) > 1:
-        print(
-            f"exp: error: {len(a.paths)} paths and no --out: the report of one sweep or run goes into its directory, "
-            "and several have no directory of their own. Fix: say where it goes, e.g. --out outputs/comparison.",
-            file=sys.stderr,
+    return run_tool(TOOL, _report, argv)
+
+
+def _report(args: Parsed) -> int:
+    paths = [Path(p) for p in args.positional]
+    if not paths:
+        raise ConfigError(
+            "exp.report: name a sweep directory or run directories, e.g. python -m exp.report multirun/<date>/<time>"
         )
-        return 2
-    rows = sort_rows([read_run(r, a.metric) for r in runs])
-    out = a.out or a.paths[0]  # never the current directory: a report lands beside what it reports on
+    missing = [str(x) for x in paths if not x.exists()]
+    if missing:
+        raise ConfigError(f"no such directory: {', '.join(missing)}")
+    metric = args.values["metric"]
+    runs = find_runs(paths)
+    if not runs:
+        raise ConfigError(f"no run directories (with status.json or .hydra/) under {', '.join(map(str, paths))}")
+    if not args.values["out"] and len(paths) > 1:
+        raise ConfigError(
+            f"{len(paths)} paths and no out=: the report of one sweep or run goes into its directory, and several "
+            "have no directory of their own. Fix: say where it goes, e.g. out=outputs/comparison."
+        )
+    rows = sort_rows([read_run(r, metric) for r in runs])
+    # Never the current directory: a report lands beside what it reports on.
+    out = Path(args.values["out"]) if args.values["out"] else paths[0]
     out.mkdir(parents=True, exist_ok=True)
-    header, body = table(rows, a.metric)
+    header, body = table(rows, metric)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for b in body:
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text("\n".join(md) + "\n")
     with (out / "report.csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *body])
-    for png in plot(rows, a.metric, out):
+    for png in plot(rows, metric, out):
         print(f"wrote {png}")
     print(f"wrote {out / 'report.md'} and {out / 'report.csv'}")
     return 0

@@ -50,6 +50,7 @@ MAY_DIFFER = (
     "hardware.checkpoint_layers",
     "hardware.auto_checkpoint_layers",
     "logger",
+    "verbose",
 )
 
 

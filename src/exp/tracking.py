@@ -182,11 +182,13 @@ def build_loggers(
                 mode=mode,
                 config=redact(config),
                 log_model=False,
-                anonymous="never",
                 id=wandb_run_id,
                 resume="allow" if wandb_run_id else None,
             )
         )
+        # Lightning passes W&B `anonymous=None`, which wandb (0.2x on) answers with a warning at every run that the
+        # setting has no effect: nothing a user can act on. Left out, W&B's own default applies, as before.
+        getattr(loggers[-1], "_wandb_init", {}).pop("anonymous", None)
         log.info("W&B: %s run in %s", mode, output_dir / "wandb")
     return loggers
 

@@ -54,23 +54,32 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> TrainResult:
-    """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter) under `output_dir`.
+    """Fine-tune as `cfg` says, writing everything (config, metrics, checkpoints, adapter, train.log) under
+    `output_dir`.
 
     `cfg` is expected to have passed the preflight (hardware resolved). With `manage_run_dir=False` (the workers
     of a multi-process run) the launching process owns config.yaml and status.json. A `resume.json` in
     `output_dir` (written by `execute`) names the checkpoint to continue from.
     """
+    from exp.run_log import run_log
+
+    with run_log(output_dir, cfg.verbose):
+        return _train(cfg, output_dir, manage_run_dir)
+
+
+def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainResult:
     import lightning as L
     import torch
 
     from exp.data import build_datamodule
     from exp.model import build_tokenizer, quiet_third_party_logs
     from exp.module import QLoRAModule
+    from exp.run_log import RECORD, RecordMetrics
     from exp.signals import GUARD, Preempted
     from exp.tracking import build_loggers, finish_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
     from exp.trainer import build_trainer
 
-    quiet_third_party_logs()
+    quiet_third_party_logs(cfg.verbose)
     started = time.time()
     config = config_dict(cfg)
     with GUARD.shielded():
@@ -101,7 +110,12 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
         loggers = build_loggers(
             cfg.logger, output_dir, run_name, config, cfg.experiment_name, module.tracking_ids.get("wandb")
         )
-        trainer = build_trainer(cfg, output_dir, loggers, resuming=checkpoint is not None)
+        trainer = build_trainer(
+            cfg,
+            output_dir,
+            [*loggers, RecordMetrics(lambda: module.trainer.global_step)],
+            resuming=checkpoint is not None,
+        )
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)
         try:
@@ -160,8 +174,9 @@ def train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool = True) -> Tr
             preempted = stop is not None
             if stop is not None and stop.checkpoint is None:  # stopped outside the training loop: where to go on from
                 stop.checkpoint = newest_checkpoint(output_dir, resume)
+            error = f"Preempted: {stop}" if stop is not None else f"{type(e).__name__}: {e}"
+            RECORD.error("run %s: %s", "preempted" if preempted else "failed", error)
             if manage_run_dir:
-                error = f"Preempted: {stop}" if stop is not None else f"{type(e).__name__}: {e}"
                 write_status(output_dir, "preempted" if preempted else "failed", error=error)
         if stop is not None and stop is not e:
             raise stop from e
@@ -236,19 +251,23 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
 
 
 def print_summary(s: dict, output_dir: Path) -> None:
+    """The run's outcome on the console, and in train.log."""
+    from exp.run_log import RECORD
+
     first, last = s["initial_val"], s["final_val"]
     drop = 100 * (1 - last["val/loss"] / first["val/loss"]) if first else float("nan")
-    print(
-        f"\nexp: {s['steps']} steps in {s['seconds']:.0f} s -> {output_dir}\n"
+    text = (
+        f"exp: {s['steps']} steps in {s['seconds']:.0f} s -> {output_dir}\n"
         f"  val loss        {first.get('val/loss', float('nan')):.3f} -> {last['val/loss']:.3f} ({drop:.0f}% lower)\n"
         f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
         f"{s['chance_token_accuracy']:.3f})\n"
         f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
         f"  throughput      {s['tokens_per_s_median']} tokens/s (median step)"
         + (f", peak memory {s['peak_memory_gib']} GiB" if s.get("peak_memory_gib") else "")
-        + f"\n  adapter         {output_dir / 'adapter'}",
-        flush=True,
+        + f"\n  adapter         {output_dir / 'adapter'}"
     )
+    print(f"\n{text}", flush=True)
+    RECORD.info("summary\n%s", text)
 
 
 def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
@@ -277,8 +296,16 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
 
 def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
     """Preflight, then train here (one process) or in one worker per device; never leaves a run unmarked."""
+    from exp.run_log import run_log
+
+    with run_log(output_dir, cfg.verbose):
+        return _execute(cfg, output_dir, launch_dir)
+
+
+def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> TrainResult:
     from exp.launch import close_process_group, launch_workers, needs_launch
     from exp.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+    from exp.run_log import RECORD
     from exp.signals import REQUEUE_EXIT
 
     check = run_preflight(cfg)
@@ -287,6 +314,7 @@ def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) 
     if not check.ok:
         message = format_findings(check)
         write_status(output_dir, "failed", error=message)
+        RECORD.error("%s", message)
         print(message, file=sys.stderr)
         sys.exit(PREFLIGHT_EXIT)
     cfg = check.cfg
@@ -552,7 +580,9 @@ def cli() -> None:
 
 
 def _cli() -> None:
-    argv = sys.argv[1:]
+    from exp.cli import VERBOSE_FLAGS
+
+    argv = ["verbose=true" if a in VERBOSE_FLAGS else a for a in sys.argv[1:]]
     launch = shared_launch_id() if not {"-m", "--multirun"} & set(argv) else None
     if launch is not None:
         # One rank of a torchrun / SLURM launch: every rank must write into one run directory.

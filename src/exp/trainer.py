@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.plugins.precision import Precision
 
 from exp.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.config import TrainConfig
 from exp.precision import build_precision_plugin
 from exp.preemption import PreemptionCheckpoint
+from exp.run_log import StepProgressBar
 from exp.samples import build_sample_callbacks
 
 
@@ -57,15 +57,6 @@ def _ModelParallelSingleProcess():
             pass  # the layers were placed across the GPUs when loaded; batches go to the first one
 
     return ModelParallelSingleProcess(device=torch.device("cuda", 0))
-
-
-class StepProgressBar(TQDMProgressBar):
-    """The training stream has no end (a run is counted in steps): show progress towards max_steps instead."""
-
-    @property
-    def total_train_batches(self) -> int | float:
-        trainer = self.trainer
-        return trainer.max_steps * trainer.accumulate_grad_batches if trainer.max_steps > 0 else float("inf")
 
 
 def _plugins(cfg: TrainConfig) -> list:
