@@ -24,9 +24,7 @@ HELP_FLAGS = ("-h", "--help")
 VERBOSE_FLAGS = ("-v", "--verbose")
 WIDTH = 118  # the help's line length, as the code's
 VERBOSE_HELP = "also show third-party logs and progress bars (transformers, Lightning, W&B); -v is the same"
-
-
-KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}
+KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number"}  # what a bad value was expected to be
 
 
 class UsageError(ConfigError):
