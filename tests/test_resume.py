@@ -230,6 +230,36 @@ def test_a_checkpoint_is_shown_only_once_its_steps_metrics_are_on_disk(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == [new.name]
 
 
+def test_a_new_csv_column_rewrites_the_record_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A metric seen for the first time (a continued run's first validation) makes the CSV logger rewrite
+    metrics.csv under a wider header: a process dying in that rewrite leaves the previous record, not a truncated
+    one whose steps a continuation (starting after the checkpoint) would never log again."""
+    from exp.csv_record import AtomicCSVLogger
+
+    logger = AtomicCSVLogger(save_dir=str(tmp_path), name="", version="csv")
+    path = tmp_path / "csv" / "metrics.csv"
+    for step, metrics in enumerate([{"train/loss": 1.0}, {"train/loss": 2.0}, {"train/loss": 3.0, "val/loss": 5.0}]):
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train/loss"], r["val/loss"]) for r in rows] == [
+        ("0", "1.0", ""),
+        ("1", "2.0", ""),
+        ("2", "3.0", "5.0"),
+    ]
+    before = path.read_text()
+    logger.log_metrics({"train/loss": 4.0, "train/skipped_steps": 1.0}, step=3)
+
+    def dies_mid_write(self, rows):
+        self.writerow(next(iter(rows)))
+        raise OSError("killed")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", dies_mid_write)
+    with pytest.raises(OSError):
+        logger.save()
+    assert path.read_text() == before and [p.name for p in path.parent.iterdir()] == ["metrics.csv"]
+
+
 def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):
     # Lightning writes step-N.ckpt, then last.ckpt: a run killed in between has a last.ckpt one period behind.
     ckpts = tmp_path / "checkpoints"
