@@ -221,17 +221,23 @@ def check_preview(cmd: DocCommand, args: list[str], tmp_path, monkeypatch, capsy
     assert not missing, f"{cmd.where}: lines the command does not print (any more): {missing}"
 
 
-def check_doctor(cmd: DocCommand, env, args: list[str], tmp_path, monkeypatch, capsys) -> None:
+def check_doctor(cmd: DocCommand, args: list[str], capsys) -> None:
+    import torch
+
     from exp.doctor import main
 
-    assert main(args) == 3  # the GPU commands' verdict on this CPU-only machine
+    code = main(args)
+    if torch.cuda.is_available():  # the transcripts are of a machine without a GPU
+        assert code in (0, 3)
+        return
+    assert code == 3  # the verdict on the GPU commands: this torch is a CPU build
     printed = capsys.readouterr().out.splitlines()
     verdict = printed[printed.index("== verdict ==") + 1 :]
     shown = [line for line in cmd.output if line.startswith(("PROBLEM", "OK"))]
     assert verdict and all(line in verdict for line in shown)
 
 
-def check_run_command(cmd: DocCommand, env, args: list[str], module: str) -> None:
+def check_run_command(args: list[str], module: str) -> None:
     import importlib
 
     from exp.inference import parse_args
@@ -240,26 +246,26 @@ def check_run_command(cmd: DocCommand, env, args: list[str], module: str) -> Non
     assert parsed.get("run") or parsed.get("ckpt")
 
 
-def check_bench(cmd: DocCommand, env, args: list[str]) -> None:
+def check_bench(args: list[str]) -> None:
     from exp.bench import parse_args
 
     parse_args(args)
 
 
-def check_report(cmd: DocCommand, env, args: list[str], capsys) -> None:
+def check_report(args: list[str], capsys) -> None:
     from exp.report import main
 
     assert main(args) == 2 and "no such directory" in capsys.readouterr().err  # a placeholder sweep directory
 
 
-def check_make(cmd: DocCommand, env, args: list[str]) -> None:
+def check_make(args: list[str]) -> None:
     dry = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     target = args[0]
     assert {"train": "-m exp.train", "test": "-m pytest"}[target] in dry.stdout
 
 
-def check_bash(cmd: DocCommand, env, args: list[str]) -> None:
+def check_bash(cmd: DocCommand, args: list[str]) -> None:
     if cmd.script is not None:
         script = cmd.script
     else:
@@ -289,24 +295,25 @@ CHECKS = {
 def test_documented_command(cmd: DocCommand, tmp_path, monkeypatch, capsys, caplog):
     env, kind, args = split(cmd)
     if cmd.script is not None or kind == "bash":
-        check_bash(cmd, env, args)
+        check_bash(cmd, args)
     if kind == "exp.train":
         check_train(cmd, env, args, monkeypatch, capsys)
     elif kind == "exp.preview":
         check_preview(cmd, args, tmp_path, monkeypatch, capsys, caplog)
     elif kind == "exp.doctor":
-        check_doctor(cmd, env, args, tmp_path, monkeypatch, capsys)
+        check_doctor(cmd, args, capsys)
     elif kind in ("exp.evaluate", "exp.generate", "exp.merge"):
-        check_run_command(cmd, env, args, kind)
+        check_run_command(args, kind)
     elif kind == "exp.bench":
-        check_bench(cmd, env, args)
+        check_bench(args)
     elif kind == "exp.report":
-        check_report(cmd, env, args, capsys)
+        check_report(args, capsys)
     elif kind == "make":
-        check_make(cmd, env, args)
-    elif kind == "curl":  # -LO <url>: saved under the URL's file name, the name the commands after it read
+        check_make(args)
+    elif kind == "curl":  # -LO <url>: saved under the URL's file name, which the commands after it read
         name = args[-1].rsplit("/", 1)[-1]
         assert args[-1].startswith("https://") and "-LO" in args
-        assert any(f"data.path={name}" in c.text for c in COMMANDS if c.where.split(":")[0] == cmd.where.split(":")[0])
+        same_doc = [c for c in COMMANDS if c.where.split(":")[0] == cmd.where.split(":")[0]]
+        assert any(f"data.path={name}" in c.text for c in same_doc)
     else:
         assert kind in CHECKS, f"{cmd.where}: no check for {cmd.text!r}"

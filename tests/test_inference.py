@@ -309,4 +309,13 @@ def test_the_documented_peft_snippet_answers_as_exp_generate(short_run, loaded):
     assert prompt == "### Instruction:\nRepeat the words exactly.\n\n### Input:\nred fox owl\n\n### Response:\n"
     expected = generate_text(loaded, "Repeat the words exactly.", "red fox owl", GenerationOptions(max_new_tokens=64))
     assert namespace["answer"] == expected
+    # The same tokens as exp's prompt, into the same model: logits equal to float round-off, so the answers agree
+    # for any prompt, not only this one.
+    from exp.generate import prompt_ids
+
+    ids = namespace["ids"]
+    assert ids[0].tolist() == prompt_ids(loaded.tokenizer, "Repeat the words exactly.", "red fox owl", "alpaca")
+    with torch.no_grad():
+        theirs, ours = namespace["model"](input_ids=ids).logits, loaded.model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
     assert namespace["base_path"] == str(loaded.model.base_model.model.config.name_or_path)
