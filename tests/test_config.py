@@ -309,6 +309,7 @@ def test_invalid_enum_value_fails_at_composition():
         (["lora.target_modules=[]"], "lora.target_modules"),
         (["trainer.global_batch_size=12"], "trainer.global_batch_size"),
         (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
+        (["trainer.warmup_steps=10.5"], "trainer.warmup_steps"),
         (["hardware=cpu", "hardware.precision=16-mixed"], "hardware.precision"),
         (["quantization=int8"], "int8"),
         (["data=alpaca"], "data.path"),

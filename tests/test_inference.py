@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import pytest
 import torch
 
 from exp.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -258,9 +262,60 @@ def test_lm_eval_without_the_package_says_how_to_install(short_run, capsys):
     assert code == 2 and "pip install lm-eval" in err
 
 
-def test_training_writes_samples_at_every_validation(short_run):
+def test_training_writes_samples_at_every_validation(short_run, loaded):
     text = (short_run.output_dir / "samples.txt").read_text()
     steps = [int(line.split()[2]) for line in text.splitlines() if line.startswith("=== step")]
     assert steps == [0, 15, 30]  # the final validation repeats step 30 and is not written twice
     assert text.count("[3] prompt: '### Instruction:\\nRepeat the words exactly.") == 3
     assert text.count("    answer: ") == 9
+    # Prompts are written exactly: a copied one, after <bos>, is the held-out example's prompt token for token.
+    from exp.samples import prompt_ids_from_heldout
+
+    tokenizer = loaded.tokenizer
+    written = [ast.literal_eval(line.split("prompt: ", 1)[1]) for line in text.splitlines() if "] prompt: " in line]
+    assert all(p.endswith("### Response:\n") for p in written)
+    heldout = prompt_ids_from_heldout(build_datamodule(short_run.module.cfg, tokenizer), 3)
+    copied = [[tokenizer.bos_token_id, *tokenizer(p, add_special_tokens=False)["input_ids"]] for p in written[-3:]]
+    assert copied == heldout
+
+
+def build_datamodule(cfg, tokenizer):
+    from exp.data import build_datamodule as build
+
+    return build(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
+
+
+def doc_block(path: Path, heading: str, lang: str = "python") -> str:
+    """The first ```lang block after `heading` in a Markdown file."""
+    text = path.read_text()
+    after = text[text.index(heading) :]
+    start = after.index(f"```{lang}\n") + len(f"```{lang}\n")
+    return after[start : after.index("```", start)]
+
+
+def test_the_documented_peft_snippet_answers_as_exp_generate(short_run, loaded):
+    """docs/after-training.md's transformers + PEFT block, run as written (only the run directory filled in), gives
+    exp.generate's greedy answer to its prompt."""
+    from exp.generate import GenerationOptions, generate_text
+
+    code = doc_block(ROOT / "docs" / "after-training.md", "## Without exp")
+    placeholder = re.search(r'^run = Path\("[^"]*"\)', code, re.M)
+    assert placeholder, "the snippet names its run directory on one line: run = Path(...)"
+    code = code.replace(placeholder.group(0), f"run = Path({str(short_run.output_dir)!r})")
+    assert "import exp" not in code and "from exp" not in code
+    namespace: dict = {}
+    exec(compile(code, "docs/after-training.md", "exec"), namespace)
+    prompt = namespace["prompt"]
+    assert prompt == "### Instruction:\nRepeat the words exactly.\n\n### Input:\nred fox owl\n\n### Response:\n"
+    expected = generate_text(loaded, "Repeat the words exactly.", "red fox owl", GenerationOptions(max_new_tokens=64))
+    assert namespace["answer"] == expected
+    # The same tokens as exp's prompt, into the same model: logits equal to float round-off, so the answers agree
+    # for any prompt, not only this one.
+    from exp.generate import prompt_ids
+
+    ids = namespace["ids"]
+    assert ids[0].tolist() == prompt_ids(loaded.tokenizer, "Repeat the words exactly.", "red fox owl", "alpaca")
+    with torch.no_grad():
+        theirs, ours = namespace["model"](input_ids=ids).logits, loaded.model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert namespace["base_path"] == str(loaded.model.base_model.model.config.name_or_path)

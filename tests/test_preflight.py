@@ -292,11 +292,25 @@ def test_auto_resolving_to_the_cpu_accepts_a_valid_config():
 
 
 def test_a_warmup_longer_than_the_run_is_a_note_not_an_error():
-    """A short run of a recipe with a long warmup (trainer=tiny's 100 steps, trainer.max_steps=20) runs; the
-    preflight says that the learning rate never reaches its peak."""
-    result = check(compose_typed(["trainer.max_steps=20"]), Environment())
+    """A whole number of warmup steps longer than the run runs as asked; the preflight says that the learning rate
+    never reaches its peak."""
+    result = check(compose_typed(["trainer.max_steps=20", "trainer.warmup_steps=100"]), Environment())
     assert result.ok
     assert any("trainer.warmup_steps=100 >= trainer.max_steps=20" in n for n in result.notes)
+
+
+@pytest.mark.parametrize(("max_steps", "warmup"), [(3000, 90), (50, 2), (1, 0)])
+def test_the_default_warmup_is_a_fraction_of_the_run(max_steps: int, warmup: int):
+    """trainer=tiny warms up for 3% of the run (rounded up), so `python -m exp.train trainer.max_steps=50` and short
+    sweeps reach the peak learning rate and decay from it, with nothing to say about it."""
+    result = check(compose_typed([f"trainer.max_steps={max_steps}"]), Environment())
+    assert result.cfg.trainer.warmup_step_count == warmup
+    assert not any("warmup" in n for n in result.notes)
+    from exp.module import lr_lambda
+
+    t = result.cfg.trainer
+    multipliers = [lr_lambda(s, t.warmup_step_count, t.max_steps, t.lr_schedule) for s in range(t.max_steps)]
+    assert max(multipliers) == 1.0 and multipliers.index(1.0) == warmup
 
 
 def test_compile_auto_is_on_for_a_gpu_and_off_on_the_cpu(monkeypatch):

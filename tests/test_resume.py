@@ -239,6 +239,76 @@ def test_a_checkpoint_is_shown_only_once_its_steps_metrics_are_on_disk(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == [new.name]
 
 
+def test_every_checkpoint_appears_after_the_csv_rows_of_the_steps_it_holds(tmp_path, monkeypatch):
+    """The race behind a SIGKILL-then-resume run missing a step's row, checked without its timing.
+
+    Lightning saves a step's checkpoint before it hands that step's metrics to the CSV logger; a checkpoint visible
+    in between (killed there, continued from it) leaves a step that neither the run nor its continuation logs. At
+    the moment each checkpoint is renamed into place, the CSV on disk must already hold a row for every step it
+    covers."""
+    import exp.checkpoints
+    from exp.train import run
+
+    out = tmp_path / "run"
+    rename = os.replace
+    seen: list[tuple[str, int, set[int]]] = []
+
+    def replace(src, dst):
+        if str(dst).endswith(".ckpt"):
+            step = torch.load(src, map_location="cpu", weights_only=True, mmap=True)["global_step"]
+            metrics = out / "csv" / "metrics.csv"
+            seen.append((Path(dst).name, step, set(losses(out)) if metrics.exists() else set()))
+        rename(src, dst)
+
+    monkeypatch.setattr(exp.checkpoints.os, "replace", replace)
+    run(
+        [
+            "trainer.max_steps=12",
+            "trainer.warmup_steps=0",
+            "trainer.checkpoint_every_n_steps=4",
+            "trainer.val_every_n_steps=6",
+            "trainer.log_every_n_steps=1",
+            "trainer.sample_count=0",
+            "data.num_examples=400",
+            "logger=csv",
+        ],
+        output_dir=out,
+    )
+    assert {name for name, _, _ in seen} >= {"step-000004.ckpt", "step-000008.ckpt", "step-000012.ckpt", "last.ckpt"}
+    late = [(name, step, sorted(set(range(step)) - rows)) for name, step, rows in seen if not set(range(step)) <= rows]
+    assert not late, f"checkpoints visible before the rows of their steps (name, step, missing rows): {late}"
+
+
+def test_a_new_csv_column_rewrites_the_record_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A metric seen for the first time (a continued run's first validation) makes the CSV logger rewrite
+    metrics.csv under a wider header: a process dying in that rewrite leaves the previous record, not a truncated
+    one whose steps a continuation (starting after the checkpoint) would never log again."""
+    from exp.csv_record import AtomicCSVLogger
+
+    logger = AtomicCSVLogger(save_dir=str(tmp_path), name="", version="csv")
+    path = tmp_path / "csv" / "metrics.csv"
+    for step, metrics in enumerate([{"train/loss": 1.0}, {"train/loss": 2.0}, {"train/loss": 3.0, "val/loss": 5.0}]):
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train/loss"], r["val/loss"]) for r in rows] == [
+        ("0", "1.0", ""),
+        ("1", "2.0", ""),
+        ("2", "3.0", "5.0"),
+    ]
+    before = path.read_text()
+    logger.log_metrics({"train/loss": 4.0, "train/skipped_steps": 1.0}, step=3)
+
+    def dies_mid_write(self, rows):
+        self.writerow(next(iter(rows)))
+        raise OSError("killed")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", dies_mid_write)
+    with pytest.raises(OSError):
+        logger.save()
+    assert path.read_text() == before and [p.name for p in path.parent.iterdir()] == ["metrics.csv"]
+
+
 def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):
     # Lightning writes step-N.ckpt, then last.ckpt: a run killed in between has a last.ckpt one period behind.
     ckpts = tmp_path / "checkpoints"

@@ -299,7 +299,7 @@ def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch
     monkeypatch.setattr(tracking, "wandb_installed", lambda: False)
     with caplog.at_level("WARNING", logger="exp.tracking"):
         loggers = tracking.build_loggers(LoggerConfig(), tmp_path, "run", {})
-    assert [type(lg).__name__ for lg in loggers] == ["CSVLogger"]
+    assert [type(lg).__name__ for lg in loggers] == ["AtomicCSVLogger"]
     assert "wandb package is not installed" in caplog.text and "pip install wandb" in caplog.text
     run_id = tracking.new_wandb_run_id()
     assert len(run_id) == 8 and run_id.isalnum() and run_id == run_id.lower()

@@ -259,7 +259,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    warmup_steps: int = 0
+    # Linear warmup, as transformers' TrainingArguments.warmup_steps: a whole number of steps (>= 1), or a fraction
+    # of trainer.max_steps (0 < x < 1, rounded up), so that a shortened run or a sweep over max_steps keeps the
+    # schedule's shape instead of warming up for longer than it trains.
+    warmup_steps: float = 0
     lr_schedule: Schedule = Schedule.constant
     # Examples per optimiser step across all devices; accumulation = global / (micro x devices x nodes).
     global_batch_size: int = 8
@@ -284,6 +287,14 @@ class TrainerConfig:
     max_skipped_steps: int = 10  # with on_nonfinite=skip: stop once more steps than this were skipped
     log_every_n_steps: int = 5
     seed: int = 0
+
+    @property
+    def warmup_step_count(self) -> int:
+        """The warmup in optimiser steps: `warmup_steps` itself, or its fraction of `max_steps` rounded up (and
+        short of the whole run: the last step trains at the peak learning rate, even in a one-step run)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return min(math.ceil(self.warmup_steps * self.max_steps), self.max_steps - 1)
 
 
 @dataclass
@@ -433,8 +444,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
         )
     if t.learning_rate <= 0:
         p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. trainer.learning_rate=2e-4")
-    if t.warmup_steps < 0:
-        p.append(f"trainer.warmup_steps={t.warmup_steps}: must be >= 0 (0: no warmup), e.g. trainer.warmup_steps=10")
+    if t.warmup_steps < 0 or (t.warmup_steps >= 1 and t.warmup_steps != int(t.warmup_steps)):
+        p.append(
+            f"trainer.warmup_steps={t.warmup_steps:g}: must be a whole number of steps (>= 1), a fraction of "
+            "trainer.max_steps (0 < x < 1) or 0 (no warmup), e.g. trainer.warmup_steps=10 or trainer.warmup_steps=0.03"
+        )
     if t.max_grad_norm < 0:
         p.append(
             f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping), e.g. trainer.max_grad_norm=1.0"

@@ -319,7 +319,7 @@ class QLoRAModule(L.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = build_optimizer(t, params, fused=self.cfg.hardware.fused_adamw)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_lambda(step, t.warmup_steps, t.max_steps, t.lr_schedule)
+            optimizer, lambda step: lr_lambda(step, t.warmup_step_count, t.max_steps, t.lr_schedule)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -320,11 +320,12 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     if hw.precision == "auto":
         hw.precision = "32-true" if not on_gpu else "bf16-mixed"
     t = cfg.trainer
-    if t.warmup_steps >= t.max_steps:
+    if t.warmup_step_count >= t.max_steps:
+        # Only a whole number of warmup steps can outlast the run (a fraction is < 1 of it): what was asked for runs.
         notes.append(
-            f"trainer.warmup_steps={t.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate rises for "
-            f"the whole run and never reaches trainer.learning_rate={t.learning_rate:g}; lower the warmup for a full "
-            "schedule"
+            f"trainer.warmup_steps={t.warmup_steps:g} >= trainer.max_steps={t.max_steps}: the learning rate rises for "
+            f"the whole run and never reaches trainer.learning_rate={t.learning_rate:g}; lower the warmup, or give it "
+            "as a fraction of the run (e.g. trainer.warmup_steps=0.03), for a full schedule"
         )
     # The schema's cross-field checks once more, on the resolved values: `hardware=auto` may have become the CPU,
     # where e.g. int8 quantization or a paged optimizer cannot run.

@@ -114,7 +114,9 @@ class SampleGenerations(L.Callback):
         with self.path.open("a") as f:
             f.write(f"=== step {step} ===\n")
             for i, (_, prompt, answer) in enumerate(new_rows, 1):
-                f.write(f"[{i}] prompt: {prompt.strip()!r}\n    answer: {answer!r}\n")
+                # Python literals of the exact texts (the prompt's final newline is part of the prompt format): a
+                # prompt copied from here, after `<bos>`, gets this answer.
+                f.write(f"[{i}] prompt: {prompt!r}\n    answer: {answer!r}\n")
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.log_table(key="samples", columns=["step", "prompt", "answer"], data=self.rows, step=step)

@@ -146,11 +146,11 @@ def build_loggers(
 
     `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
     """
-    from lightning.pytorch.loggers import CSVLogger
+    from exp.csv_record import AtomicCSVLogger
 
     if cfg.kind == LoggerKind.none:
         return []
-    loggers: list = [CSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
+    loggers: list = [AtomicCSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
     if cfg.kind == LoggerKind.wandb and not wandb_installed():
         # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
         # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
