@@ -45,9 +45,9 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def last_bar_line(stderr: str) -> str:
-    """The progress bar's final state: the last complete `Epoch N: 100%|...|` frame (frames end with \\r)."""
+    """The progress bar's final state: the last complete `Training: 100%|...|` frame (frames end with \\r)."""
     frames = [f.strip() for f in re.split(r"[\r\n]", stderr)]
-    epochs = [f for f in frames if f.startswith("Epoch ") and "100%" in f and "val/loss" in f]
+    epochs = [f for f in frames if f.startswith("Training") and "100%" in f and "val/loss" in f]
     if not epochs:
         raise SystemExit("readme_figures: no final progress bar line in the run's output")
     return epochs[-1]
