@@ -12,7 +12,10 @@
 #   whole        exp.bench, Gemma-7B 2048 x 8: exp on the whole GPU (against bench7b's baseline when it ran)
 #   real         exp.bench real-data mode on ../shared/data/alpaca_en_demo.json (or $EXP_ALPACA), Gemma-7B shape
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
-#   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 64 and 128
+#   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 128 in one micro-batch, every layer recomputed,
+#                their inputs in host memory (hardware.offload_checkpoints)
+#   profile7b    exp.bench headline with profile=true: exp as hardware=gpu runs it, and without kept dequantized
+#                weights; the baseline from $BENCH_REFERENCE (a bench7b JSON of the same settings) when given
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
 #
 # Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
@@ -107,7 +110,12 @@ run_stage() {
         log "stage lean: no 7B headline result to take the baseline from (run bench7b first)"; status=1
       fi ;;
     capacity)
-      stage capacity 420 "${BENCH[@]}" micro_batch=64,128 steps=6 warmup=2 variant=exp ;;
+      stage capacity 420 "${BENCH[@]}" micro_batch=128 steps=3 warmup=1 \
+        variant="exp hardware.auto_micro_batch=false hardware.offload_checkpoints=true" ;;
+    profile7b)
+      if [ -n "${BENCH_REFERENCE:-}" ]; then base=(reference="$BENCH_REFERENCE"); else base=(variant=baseline); fi
+      stage profile7b 420 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" \
+        variant="exp hardware.auto_dequantized_layers=false" variant=exp ;;
     bench512)
       stage bench512 420 "${BENCH[@]}" seq=512 micro_batch=32 steps=12 variant=baseline variant=exp ;;
     *) log "unknown stage $1"; status=1 ;;
@@ -115,7 +123,7 @@ run_stage() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b whole real lean capacity bench512)
+[ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b whole real lean capacity bench512 profile7b)
 for s in "${stages[@]}"; do run_stage "$s"; done
 
 cp -r "$WORK"/bench/*.md "$OUT"/ 2>/dev/null

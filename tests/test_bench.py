@@ -73,10 +73,17 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path)
     # only when it was measured with the same settings.
     [first] = tmp_path.glob("bench-*.json")
     again = tmp_path / "again"
-    proc = run_bench(again, *SMOKE, "lr=5e-3", "variant=baseline", f"reference={first}")
+    # (And profile=true: where the profiled steps' time went, by kind of operator on the CPU.)
+    proc = run_bench(again, *SMOKE, "lr=5e-3", "variant=baseline", "variant=exp", "profile=true", f"reference={first}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    reused, _ = read_report(again)
-    assert [r["variant"] for r in reused["rows"]] == ["baseline"] and reused["rows"][0]["reference_from"] == str(first)
+    reused, md = read_report(again)
+    assert [r["variant"] for r in reused["rows"]] == ["baseline", "exp"]
+    assert reused["rows"][0]["reference_from"] == str(first)
+    assert reused["rows"][1]["losses"] == rows["exp"]["losses"]  # the profiler changes nothing computed
+    prof = reused["rows"][1]["profile"]
+    assert prof["steps"] == 2 and prof["total_ms_per_step"] > 0 and "matmul" in prof["categories"]
+    assert sum(c["share"] for c in prof["categories"].values()) == pytest.approx(1, abs=1e-3)
+    assert "Profile of exp (micro-batch 2)" in md and "| matmul |" in md
     proc = run_bench(again, *SMOKE, f"reference={first}")  # lr 1e-4: not the same settings
     assert proc.returncode == 2 and "'lr': (0.005, 0.0001)" in proc.stderr
 

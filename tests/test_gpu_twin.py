@@ -1,7 +1,7 @@
 """The GPU configuration's code paths, run on the CPU (CI has no GPU).
 
 `hardware=gpu` combines Lightning's bf16-mixed precision plugin, torch's fused AdamW, gradient clipping, exp's
-chunked loss, partial gradient checkpointing and torch.compile. Each of these runs on the CPU too, so a failure of
+chunked loss, partial gradient checkpointing, torch.compile and layers with kept dequantized weights. Each of these runs on the CPU too, so a failure of
 their combination (a fused optimizer that Lightning refuses to clip, say) shows up here without a GPU.
 
 What cannot run on a CPU, and so only runs in `pytest -m gpu` on a GPU:
@@ -148,6 +148,7 @@ TWIN = [
     "hardware.loss_impl=chunked",  # the GPU's loss where liger-kernel is missing (liger itself needs CUDA)
     "hardware.checkpoint_layers=2",  # what auto_checkpoint_layers picks by memory on a GPU: the first N
     "hardware.compile=true",  # auto on a GPU
+    "hardware.dequantized_layers=1",  # what auto_dequantized_layers picks from the memory left on a GPU: the first N
     "hardware.micro_batch_size=4",
     "trainer.global_batch_size=8",  # 2 micro-batches per step: accumulation under the same plugins
     "trainer.max_steps=4",
@@ -179,6 +180,10 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     layers = decoder_layers(module.model)
     assert [layer.gradient_checkpointing for layer in layers] == [True, True, False, False]
     assert all(layer._compiled_call_impl is not None for layer in layers)  # Module.compile: compiled in place
+    from exp.dequantized import DequantizedLinear4bit
+
+    kept = [isinstance(layer.self_attn.q_proj.base_layer, DequantizedLinear4bit) for layer in layers]
+    assert kept == [True, False, False, False]
     lora_a = module.model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
     assert lora_a.dtype == torch.float32  # adapters stay fp32 under autocast (the optimizer state too)
     with (run_dir / "csv" / "metrics.csv").open() as f:

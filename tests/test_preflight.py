@@ -402,3 +402,31 @@ def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
     assert kept.micro_batch_size == 8 and kept.gradient_checkpointing
     cpu = check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment(torch_cuda=None))
     assert cpu.ok and cpu.cfg.hardware.micro_batch_size == 4
+
+
+def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():
+    """hardware=gpu: after the micro-batch and the recomputed layers are chosen, as many layers keep their weights
+    dequantized as the rest of the budget holds; the other choices are those made without it."""
+    from exp.memory import estimate_for_config
+
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
+            "trainer.global_batch_size=8", "hardware.compile=true", "hardware.memory_budget_gib=60"]  # fmt: skip
+    with_it = check(compose_typed(base), env)
+    without = check(compose_typed([*base, "hardware.auto_dequantized_layers=false"]), env)
+    assert with_it.ok and without.ok
+    hw, plain = with_it.cfg.hardware, without.cfg.hardware
+    assert (hw.micro_batch_size, hw.gradient_checkpointing, hw.checkpoint_layers) == (
+        plain.micro_batch_size, plain.gradient_checkpointing, plain.checkpoint_layers)  # fmt: skip
+    assert plain.dequantized_layers == 0 and 0 < hw.dequantized_layers < 28
+    assert estimate_for_config(with_it.cfg).total <= 60 * 2**30
+    one_more = copy.deepcopy(with_it.cfg)
+    one_more.hardware.dequantized_layers += 1
+    assert estimate_for_config(one_more).total > 60 * 2**30  # the most that fit
+    assert any(f"the first {hw.dequantized_layers} of 28 decoder layers keep their weights dequantized" in n
+               for n in with_it.notes)  # fmt: skip
+    # An explicit count is kept.
+    kept = check(compose_typed([*base, "hardware.dequantized_layers=3"]), env).cfg.hardware
+    assert kept.dequantized_layers == 3
+    whole = check(compose_typed(base[:-1]), env).cfg.hardware  # the whole GPU: every layer fits
+    assert whole.dequantized_layers == 28

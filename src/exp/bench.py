@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -46,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Dense bf16 matmul throughput an H200 reaches (8192^3 products through PyTorch, measured at 769-798 TFLOP/s):
 # MFU's denominator. Pass peak_tflops= for another GPU.
 H200_BF16_TFLOPS = 790.0
-PARITY_STEPS = 30  # the issue's "first 30 steps"
+PARITY_STEPS = 30  # the first steps whose losses are compared with the baseline's
+PROFILED_STEPS = 2  # profile=true: the first timed steps profiled
 # Settings the bench owns for both sides (its own keys): an override of them would change only the exp side.
 BENCH_OWNED = (
     "model",
@@ -101,6 +103,8 @@ class Settings:
     # is `micro_batch` examples, `seq` is data.max_seq_len; the baseline pads each step's examples to the longest,
     # exp batches them with its own defaults. The validation split is evaluated after the last step.
     data_path: str | None = None
+    # exp rows: profile the first two timed steps (torch.profiler) and keep where the device time went.
+    profile: bool = False
 
     def exp_overrides(self) -> list[str]:
         """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
@@ -320,7 +324,7 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         # the mean of the micro-batch means is the step's mean).
         m = cfg.hardware.micro_batch_size
         batches = [{"input_ids": x[k : k + m], "labels": x[k : k + m]} for x in tokens for k in range(0, len(x), m)]
-    clock = step_clock(settings.warmup, cuda, cfg.accumulate_grad_batches)
+    clock = step_clock(settings.warmup, cuda, cfg.accumulate_grad_batches, profile=settings.profile)
 
     module = QLoRAModule(cfg)
     loggers = build_loggers(cfg.logger, work_dir, "bench", config_dict(cfg))
@@ -359,6 +363,9 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         "peak_memory_bytes": clock.peak,
         "lora_fingerprint": clock.fingerprint,
         "lora_b_norm": clock.b_norm,
+        "profile": clock.profile,
+        "dequantized_layers": hw.dequantized_layers,
+        "offload_checkpoints": hw.offload_checkpoints,
         "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "loss_impl": module.loss_choice.impl.value,
         "loss_impl_reason": module.loss_choice.reason,
@@ -370,12 +377,59 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     }
 
 
-def step_clock(warmup: int, cuda: bool, accumulate: int = 1):
+# Kernel (or, on the CPU, operator) names by what they do, first match wins: the profile's summary.
+PROFILE_CATEGORIES = (
+    ("dequantize 4-bit", re.compile(r"dequant", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d+_|::mm|::addmm|::bmm|::linear|matmul", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+    ("fused loss (liger / chunked)", re.compile(r"liger|cross_entropy|element_mul|log_softmax", re.I)),
+    ("compiled (Triton)", re.compile(r"^triton_|triton", re.I)),
+    ("copy / cast / fill", re.compile(r"copy|cast|memcpy|memset|fill|to_copy|cat|clone", re.I)),
+)
+
+
+def profile_summary(events: list[tuple[str, float, int]], steps: int, top: int = 25) -> dict[str, Any]:
+    """Where the time of `steps` profiled steps went: per category and the `top` names, in ms per step.
+    `events`: (name, self time in microseconds, calls) per kernel (CUDA) or operator (CPU)."""
+    by_name: dict[str, list[float]] = {}
+    for name, us, calls in events:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += calls
+    total = sum(v[0] for v in by_name.values()) or 1.0
+    categories: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        cat = next((c for c, rx in PROFILE_CATEGORIES if rx.search(name)), "other")
+        categories[cat] = categories.get(cat, 0.0) + us
+    ms = lambda us: round(us / 1000 / steps, 3)  # noqa: E731
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps,
+        "total_ms_per_step": ms(total),
+        "categories": {
+            c: {"ms_per_step": ms(us), "share": round(us / total, 4)}
+            for c, us in sorted(categories.items(), key=lambda kv: -kv[1])
+        },  # fmt: skip
+        "top": [
+            {
+                "name": n[:160],
+                "ms_per_step": ms(us),
+                "calls_per_step": round(k / steps, 1),
+                "share": round(us / total, 4),
+            }
+            for n, (us, k) in ranked
+        ],  # fmt: skip
+    }
+
+
+def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = False):
     """A Lightning callback timing each optimiser step between device synchronisations, as the baseline does.
 
     An optimiser step of `accumulate` micro-batches is timed from the start of its first to the end of its last;
     its real (non-padding) input tokens are counted on the host (QLoRAModule counts them before the transfer) and
-    its loss is the mean of its micro-batches' losses.
+    its loss is the mean of its micro-batches' losses. With `profile`, the first two timed steps run under
+    torch.profiler (their times are kept, but the profiler slows them: profile in a separate run from timing).
 
     Started before the module's own `on_train_batch_start` and stopped after the optimiser step (and Lightning's
     progress bar / logging of that step), so exp's per-step bookkeeping is inside the measured time. It keeps the
@@ -402,6 +456,8 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1):
             self._t0 = 0.0
             self._tokens = 0
             self._step_losses: list[torch.Tensor] = []
+            self.profile: dict[str, Any] | None = None
+            self._profiler = None
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.fingerprint = lora_fingerprint(pl_module.model)
@@ -413,6 +469,13 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1):
             if batch_idx == warmup * accumulate and cuda:
                 torch.cuda.reset_peak_memory_stats()
             sync()
+            if profile and batch_idx == warmup * accumulate:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                self._profiler = torch_profile(activities=activities)
+                self._profiler.__enter__()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -427,6 +490,16 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1):
             self._step_losses, self._tokens = [], 0
             if cuda:
                 self.peak = torch.cuda.max_memory_allocated()
+            if self._profiler is not None and batch_idx + 1 == (warmup + PROFILED_STEPS) * accumulate:
+                self._profiler.__exit__(None, None, None)
+                kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+                events = [
+                    (e.name, e.self_device_time_total if cuda else e.self_cpu_time_total, 1)
+                    for e in self._profiler.events()
+                    if e.device_type == kind
+                ]
+                self.profile = profile_summary(events, PROFILED_STEPS)
+                self._profiler = None
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.b_norm = lora_b_norm(pl_module.model)
@@ -657,6 +730,26 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {fmt(r.get('all_steps_tokens_per_s'), ',.0f')} | {fmt(r.get('val_loss'), '.4f')} |"
             for r in report["rows"]
         ]
+    for r in report["rows"]:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines += [
+            "",
+            f"Profile of {r['variant']} (micro-batch {r['micro_batch']}): {prof['total_ms_per_step']:,.1f} ms of "
+            f"device time per step (the mean of {prof['steps']} profiled steps; the profiler's own cost included)",
+            "",
+            "| kind | ms per step | share |",
+            "|---|---|---|",
+            *(f"| {c} | {v['ms_per_step']:,.1f} | {v['share']:.1%} |" for c, v in prof["categories"].items()),
+            "",
+            "| kernel | ms per step | calls per step | share |",
+            "|---|---|---|---|",
+            *(
+                f"| `{t['name'][:90]}` | {t['ms_per_step']:,.2f} | {t['calls_per_step']:g} | {t['share']:.1%} |"
+                for t in prof["top"][:15]
+            ),  # fmt: skip
+        ]
     lines += ["", "Per-step losses:", "", "| step | " + " | ".join(r["variant"] for r in report["rows"]) + " |"]
     lines.append("|---" * (len(report["rows"]) + 1) + "|")
     n = max((len(r.get("losses", [])) for r in report["rows"]), default=0)
@@ -669,9 +762,10 @@ def markdown(report: dict[str, Any]) -> str:
 def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
     """The plain baseline's rows of an earlier result, if it was measured with these settings (for split runs)."""
     earlier = json.loads(path.read_text())
-    # The memory budget is exp's alone: the baseline ran the same whatever it was.
-    mine = {**asdict(settings), "micro_batch": None, "memory_budget": None}
-    theirs = {**Settings().__dict__, **earlier["settings"], "micro_batch": None, "memory_budget": None}
+    # The memory budget and profiling are exp's alone: the baseline ran the same whatever they were.
+    exp_only = {"micro_batch": None, "memory_budget": None, "profile": None}
+    mine = {**asdict(settings), **exp_only}
+    theirs = {**Settings().__dict__, **earlier["settings"], **exp_only}
     if mine != theirs:
         diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
         raise ValueError(f"reference={path}: measured with other settings (theirs, ours): {diff}")
@@ -715,6 +809,7 @@ def bench_tool() -> Tool:
                 split=False,
                 placeholder="SPEC",
             ),
+            Key("profile", False, "profile two timed steps of each exp variant: device time per kind of kernel"),
             Key("ablate", False, "run the ablation set (+ any variant=): " + "; ".join(ABLATION)),
             Key("parity_steps", PARITY_STEPS, "the first steps whose losses are compared with the baseline's"),
             Key("parity_tol", 0.01, "max relative loss difference from the baseline"),
@@ -792,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
                 v.options = [*a.overrides, *v.options]
         fixed_budget = float(a.memory_budget) if a.memory_budget not in (None, "baseline") else None
         base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
-                        a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data)  # fmt: skip
+                        a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data,
+                        a.profile)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
     except (ValueError, ConfigError) as e:
         print(f"exp: error: exp.bench: {e}", file=sys.stderr)

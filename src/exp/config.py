@@ -192,6 +192,18 @@ class HardwareConfig:
     # dequantising every 4-bit weight, dominates); what still does not fit then recomputes the fewest layers
     # (auto_checkpoint_layers). Recomputing costs ~1/3 of a layer's FLOPs, a smaller micro-batch almost nothing.
     auto_micro_batch: bool = False
+    # Keep the 4-bit weights of the first N decoder layers also dequantized, in the compute dtype, on their device:
+    # bitsandbytes otherwise dequantizes every weight at each use (forward, recompute and backward of every
+    # micro-batch), and the base weights are frozen, so the copy never goes stale. Same product (F.linear over the
+    # same dequantized weight); costs 2 bytes per weight of each such layer. 4-bit quantization only; not with FSDP.
+    dequantized_layers: int = 0
+    # GPU: the preflight keeps as many layers dequantized as fit in what the micro-batch and checkpointing choices
+    # leave of the budget (never at their expense), and prints its choice. An explicit dequantized_layers is kept.
+    auto_dequantized_layers: bool = False
+    # Send the tensors the backward needs from outside the recomputed layers (each checkpointed layer's input, the
+    # final norm's and the loss's) to pinned host memory in the forward, and back one by one in the backward. For
+    # micro-batches whose checkpointed inputs alone would fill the GPU; the copies cost time (host link bandwidth).
+    offload_checkpoints: bool = False
     num_workers: int = 0
     # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
     # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
@@ -409,6 +421,12 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.checkpoint_layers={hw.checkpoint_layers}: the number of decoder layers to recompute, from 0 to "
             f"{layers or 'the number of layers'} (model {m.name}), or null for all"
         )
+    if not 0 <= hw.dequantized_layers <= (layers or hw.dequantized_layers):
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers}: the number of decoder layers whose 4-bit weights "
+            f"stay dequantized, from 0 to {layers or 'the number of layers'} (model {m.name}); e.g. "
+            "hardware.dequantized_layers=0 (none), or hardware.auto_dequantized_layers=true on a GPU"
+        )
     if hw.precision not in PRECISIONS:
         p.append(
             f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "
@@ -431,6 +449,24 @@ def _validate(cfg: TrainConfig) -> list[str]:
             "quantization=int8 with hardware.strategy=fsdp: FSDP shards only floating-point tensors, and 8-bit weights "
             "cannot be stored as floats (4-bit ones can: bnb_4bit_quant_storage). Use quantization=nf4 with "
             "hardware=fsdp (FSDP-QLoRA), or keep int8 with hardware=ddp"
+        )
+    if hw.offload_checkpoints and not (hw.gradient_checkpointing and hw.checkpoint_layers is None):
+        p.append(
+            "hardware.offload_checkpoints=true sends the inputs of recomputed layers to host memory, so every layer "
+            f"must recompute (hardware.gradient_checkpointing={hw.gradient_checkpointing}, "
+            f"hardware.checkpoint_layers={hw.checkpoint_layers}); set hardware.gradient_checkpointing=true "
+            "hardware.checkpoint_layers=null, or hardware.offload_checkpoints=false"
+        )
+    if hw.dequantized_layers and q.quant_type not in (QuantType.nf4, QuantType.fp4):
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers} with quantization={q.quant_type.value}: only 4-bit "
+            "weights are kept dequantized; use hardware.dequantized_layers=0"
+        )
+    if hw.dequantized_layers and hw.strategy == Strategy.fsdp:
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers} with hardware.strategy=fsdp: FSDP gathers each "
+            "layer's 4-bit shards for its use and frees them, so no full dequantized copy can stay; use "
+            "hardware.dequantized_layers=0"
         )
     p += batch_problems(hw, t)
     if t.optimizer != Optimizer.adamw and hw.accelerator == Accelerator.cpu:

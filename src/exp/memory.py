@@ -83,6 +83,7 @@ class MemoryEstimate:
     """
 
     quantized_weights: int = 0  # decoder Linear layers (4-bit + absmax, int8 + scales, or unquantized)
+    dequantized_weights: int = 0  # hardware.dequantized_layers: those layers' weights again, in the compute dtype
     embeddings: int = 0  # embed_tokens, tied to lm_head: counted once
     other_weights: int = 0  # RMSNorm weights
     lora_params: int = 0  # trainable tensors (LoRA A/B, modules_to_save copies), fp32
@@ -112,7 +113,7 @@ class MemoryEstimate:
 
     @property
     def weights(self) -> int:
-        return self.quantized_weights + self.embeddings + self.other_weights
+        return self.quantized_weights + self.dequantized_weights + self.embeddings + self.other_weights
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -391,6 +392,8 @@ def estimate_memory(
     padding_mask: bool = False,
     modules_to_save: Sequence[str] = (),
     compiled: bool = False,
+    dequantized_layers: int = 0,
+    offload_checkpoints: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step on one device (see the module docstring for the model).
 
@@ -414,6 +417,9 @@ def estimate_memory(
     modules_to_save: PEFT's full trainable copies; `lm_head` / `embed_tokens` copy the vocab x hidden table.
     compiled: the decoder layers run `torch.compile`d (`hardware.compile`): fewer saved tensors per layer, a wider
         backward (`_layer_saved_bytes`, COMPILED_BACKWARD_EXTRA).
+    dequantized_layers: decoder layers whose 4-bit weights are also kept in the compute dtype (exp.dequantized).
+    offload_checkpoints: what the backward keeps from outside the recomputed layers lives in host memory; one
+        checkpointed layer's input at a time comes back to the device.
     """
     s = _shape(arch)
     targets = _normalise_targets(lora_targets)
@@ -429,6 +435,8 @@ def estimate_memory(
         raise ValueError(f"loss_impl={loss_impl!r}: hf, chunked or liger")
     if checkpoint_layers is not None and checkpoint_layers < 0:
         raise ValueError(f"checkpoint_layers={checkpoint_layers}: must be >= 0 (or None for all layers)")
+    if not 0 <= dequantized_layers <= s.layers:
+        raise ValueError(f"dequantized_layers={dequantized_layers}: must be in 0..{s.layers}")
     if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
         raise ValueError(f"attn_implementation={attn_implementation!r}: sdpa, eager or flash_attention_2")
     c = compute_bytes
@@ -458,6 +466,7 @@ def estimate_memory(
 
     est = MemoryEstimate(
         quantized_weights=_ceil_div(s.layers * layer_weight, num_shards),
+        dequantized_weights=dequantized_layers * sum(i * o for i, o in lin.values()) * c if quant_type != "none" else 0,
         embeddings=_ceil_div(emb, num_shards),
         other_weights=_ceil_div(norm_params * c, num_shards),
         lora_params=_ceil_div(4 * n_train, num_shards),
@@ -514,6 +523,11 @@ def estimate_memory(
     )
     ckpt_inputs = n_ckpt * c * t * s.hidden
     saved_all = ckpt_inputs + sum(layer_saved[n_ckpt:])
+    if offload_checkpoints:
+        # All of it is in host memory; the backward brings back one layer's share at a time.
+        ckpt_inputs = c * t * s.hidden if n_ckpt else 0
+        saved_all = max([ckpt_inputs, *layer_saved[n_ckpt:]])
+        final = 0
     recompute = max(layer_saved[:n_ckpt], default=0)
 
     # Phase B's extra: the gradient temporaries of one layer's backward, widest in the MLP: the down-projection
@@ -591,6 +605,8 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         padding_mask=True,
         # "auto" (before the preflight resolves it) compiles on a GPU.
         compiled=hw.compile is True or (hw.compile == "auto" and _value(hw.accelerator) != "cpu"),
+        dequantized_layers=int(hw.dequantized_layers),
+        offload_checkpoints=bool(hw.offload_checkpoints),
     )
 
 
@@ -655,6 +671,20 @@ def fewest_checkpoint_layers(cfg: Any, budget_bytes: int, num_shards: int = 1) -
     return None
 
 
+def most_dequantized_layers(cfg: Any, budget_bytes: int, num_shards: int = 1) -> int:
+    """Most decoder layers whose 4-bit weights can stay dequantized (hardware.dequantized_layers) with this config's
+    estimated `total` still within `budget_bytes` per device (0 when none fits, or when it is already over)."""
+    kwargs = _config_kwargs(cfg, num_shards)
+    arch = config_arch(cfg)
+    best = 0
+    for k in range(1, int(arch["num_hidden_layers"]) + 1):
+        kwargs.update(dequantized_layers=k)
+        if estimate_memory(arch, **kwargs).total > budget_bytes:
+            break
+        best = k
+    return best
+
+
 def suggest_micro_batch(cfg: Any, budget_bytes: int, num_shards: int = 1) -> int:
     """Largest `hardware.micro_batch_size` for this config whose estimate fits `budget_bytes` per device (0: none)."""
     kwargs = _config_kwargs(cfg, num_shards)
@@ -670,5 +700,6 @@ __all__ = [
     "fewest_checkpoint_layers",
     "largest_micro_batch",
     "lora_param_count",
+    "most_dequantized_layers",
     "suggest_micro_batch",
 ]

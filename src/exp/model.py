@@ -254,6 +254,10 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(cfg.lora.init_seed)
         model = get_peft_model(model, build_lora_config(cfg.lora))
+    if cfg.hardware.dequantized_layers:
+        from exp.dequantized import keep_dequantized
+
+        keep_dequantized(decoder_layers(model)[: cfg.hardware.dequantized_layers])
     if cfg.hardware.strategy == Strategy.fsdp:
         # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
         # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.

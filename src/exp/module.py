@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -180,7 +181,8 @@ class QLoRAModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step_tokens = batch.pop("step_loss_tokens", None)
         # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.loss).
-        loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
+        with self._saved_tensors_place():
+            loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
         value = loss.detach()
         self._loss_bad = ~torch.isfinite(value) | self._loss_bad
         self.log("train/loss", value, prog_bar=True)
@@ -188,6 +190,14 @@ class QLoRAModule(L.LightningModule):
             loss = step_token_weighted(loss, batch["labels"], step_tokens, self.trainer.accumulate_grad_batches,
                                        self.trainer.world_size)  # fmt: skip
         return loss
+
+    def _saved_tensors_place(self) -> contextlib.AbstractContextManager:
+        """hardware.offload_checkpoints: what autograd saves outside the recomputed layers (their inputs, the final
+        norm's and the loss's tensors) goes to host memory (pinned on CUDA, so the copies back can overlap); inside a
+        checkpointed layer, checkpointing's own hooks come first and save nothing."""
+        if not self.cfg.hardware.offload_checkpoints:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # After unscaling and before clipping: the norm the clip threshold is compared with.

@@ -414,7 +414,13 @@ def _resolve_strategy_and_precision(
     if hw.strategy == Strategy.model_parallel:
         budget = _memory_budget(hw, [sum(g.free_bytes for g in used)], len(used))  # spread over all of them
         free = budget.allowed
-    auto_layers = hw.auto_checkpoint_layers and hw.gradient_checkpointing and hw.checkpoint_layers is None
+    # offload_checkpoints keeps every layer recomputed (its whole point is the memory of their inputs).
+    auto_layers = (
+        hw.auto_checkpoint_layers
+        and hw.gradient_checkpointing
+        and hw.checkpoint_layers is None
+        and not hw.offload_checkpoints
+    )
     if (auto_layers or hw.auto_micro_batch) and os.environ.get(LAUNCH_ID_ENV):
         # Each rank of a torchrun / SLURM launch runs its own preflight, and the free memory it sees changes as the
         # other ranks start: the ranks could choose differently. exp's own launcher decides once for all.
@@ -428,6 +434,8 @@ def _resolve_strategy_and_precision(
             _fit_micro_batch(cfg, budget, shards, auto_layers, notes)
         if auto_layers:
             _fit_checkpointing(cfg, budget, shards, notes)
+        if hw.auto_dequantized_layers and hw.dequantized_layers == 0:
+            _fit_dequantized(cfg, budget, shards, notes)
     estimate = estimate_for_config(cfg, num_shards=shards)
     if estimate.total > free:
         from exp.memory import suggest_micro_batch
@@ -531,6 +539,30 @@ def _fit_checkpointing(cfg: TrainConfig, budget: _Budget, shards: int, notes: li
     notes.append(
         f"hardware.auto_checkpoint_layers: {choice} of {layers} decoder layers recompute their activations "
         f"(estimated peak {est:.1f} GiB, within {budget.planned / GiB:.1f} GiB: {budget.reason})"
+    )
+
+
+def _fit_dequantized(cfg: TrainConfig, budget: _Budget, shards: int, notes: list[str]) -> None:
+    """hardware.auto_dequantized_layers: keep as many layers' 4-bit weights dequantized as the budget has room for
+    once the micro-batch and the recomputed layers are chosen (so it never costs a recomputed layer). Single device
+    and DDP only: FSDP holds no whole layer (the config check refuses an explicit count there)."""
+    from exp.memory import GiB, config_arch, estimate_for_config, most_dequantized_layers
+
+    hw = cfg.hardware
+    if cfg.quantization.quant_type not in (QuantType.nf4, QuantType.fp4) or shards > 1:
+        return
+    if hw.strategy not in (Strategy.single_device, Strategy.ddp):
+        return
+    k = most_dequantized_layers(cfg, budget.planned, num_shards=shards)
+    if k == 0:
+        return
+    hw.dequantized_layers = k
+    layers = int(config_arch(cfg)["num_hidden_layers"])
+    est = estimate_for_config(cfg, num_shards=shards)
+    notes.append(
+        f"hardware.auto_dequantized_layers: {'all' if k == layers else f'the first {k}'} of {layers} decoder layers "
+        f"keep their weights dequantized ({est.dequantized_weights / GiB:.1f} GiB; estimated peak "
+        f"{est.total / GiB:.1f} GiB, within {budget.planned / GiB:.1f} GiB: {budget.reason})"
     )
 
 

@@ -49,6 +49,10 @@ MAY_DIFFER = (
     "hardware.gradient_checkpointing",
     "hardware.checkpoint_layers",
     "hardware.auto_checkpoint_layers",
+    # The same products over the same weights, only kept or fetched differently (tested equal on the CPU).
+    "hardware.dequantized_layers",
+    "hardware.auto_dequantized_layers",
+    "hardware.offload_checkpoints",
     "logger",
     "verbose",
 )

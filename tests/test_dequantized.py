@@ -1,0 +1,118 @@
+"""Kept dequantized weights (hardware.dequantized_layers) and host-offloaded checkpoints (hardware.offload_checkpoints)
+change where tensors live, not what is computed: on the real NF4 CPU path the loss and every LoRA gradient are
+the same as without them. The preflight's choice of how many layers keep their weights is in test_preflight.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from conftest import compose_typed
+
+from exp.dequantized import DequantizedLinear4bit
+from exp.loss import causal_lm_loss
+from exp.memory import estimate_memory
+from exp.model import build_model, decoder_layers
+
+BASE = ["hardware=cpu", "hardware.loss_impl=chunked", "lora.init_seed=3"]
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (2, 24), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _loss_and_grads(overrides: list[str], autocast: bool = False, offload: bool = False):
+    cfg = compose_typed([*BASE, *overrides])
+    model = build_model(cfg, "cpu")
+    # Non-zero B (PEFT starts it at zero), so the adapters take part in the loss and in every gradient.
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    batch = _batch(model.config.vocab_size)
+    torch.manual_seed(0)  # the same LoRA dropout masks in both runs
+    hooks = torch.autograd.graph.save_on_cpu() if offload else contextlib.nullcontext()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), hooks:
+        loss = causal_lm_loss(model, batch, cfg.hardware.loss_impl)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return model, loss.detach(), grads
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_dequantized_layers_compute_what_bitsandbytes_computes(autocast):
+    _, loss, grads = _loss_and_grads([], autocast)
+    model, loss_kept, grads_kept = _loss_and_grads(["hardware.dequantized_layers=2"], autocast)
+    layers = decoder_layers(model)
+    kept = [type(m) is DequantizedLinear4bit for layer in layers for m in layer.modules()
+            if isinstance(m, bnb.nn.Linear4bit)]  # fmt: skip
+    per_layer = len(kept) // len(layers)
+    assert kept == [True] * 2 * per_layer + [False] * (len(layers) - 2) * per_layer
+    # The kept copy is the packed weight dequantized, in the dtype bitsandbytes computes in.
+    q = layers[0].self_attn.q_proj.base_layer
+    w = bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state).to(q.compute_dtype or torch.float32)
+    assert torch.equal(q.dequantized, w)
+    assert torch.equal(loss_kept, loss)
+    assert grads_kept.keys() == grads.keys() and len(grads) > 0
+    for name, g in grads.items():
+        assert torch.equal(grads_kept[name], g), name
+    # Nothing of it reaches the state dict: checkpoints and adapters are those of a run without it.
+    assert not any("dequantized" in k for k in model.state_dict())
+
+
+def test_offloaded_checkpoints_give_the_same_loss_and_gradients():
+    ckpt = ["hardware.gradient_checkpointing=true"]
+    _, loss, grads = _loss_and_grads(ckpt)
+    _, loss_off, grads_off = _loss_and_grads([*ckpt, "hardware.offload_checkpoints=true"], offload=True)
+    assert torch.equal(loss_off, loss)
+    for name, g in grads.items():
+        assert torch.equal(grads_off[name], g), name
+
+
+def test_offloaded_checkpoint_inputs_leave_the_device_estimate():
+    arch = dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                num_attention_heads=16, num_key_value_heads=16, head_dim=256)  # fmt: skip
+    common = dict(quant_type="nf4", double_quant=True, lora_r=16, lora_targets=["q_proj"], micro_batch_size=128,
+                  seq_len=2048, gradient_checkpointing=True, loss_impl="liger")  # fmt: skip
+    on_device = estimate_memory(arch, **common)
+    offloaded = estimate_memory(arch, **common, offload_checkpoints=True)
+    inputs = 28 * 2 * 128 * 2048 * 3072  # bf16 input of each recomputed layer
+    assert on_device.details["checkpoint_inputs_bytes"] == inputs
+    assert offloaded.details["checkpoint_inputs_bytes"] == inputs // 28  # one layer's input back at a time
+    assert on_device.allocated - offloaded.allocated >= 27 * inputs // 28
+
+
+def test_dequantized_weights_are_counted_per_layer():
+    arch = dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32)  # fmt: skip
+    common = dict(quant_type="nf4", double_quant=True, lora_r=8, lora_targets=["q_proj"], micro_batch_size=2,
+                  seq_len=64, gradient_checkpointing=False)  # fmt: skip
+    per_layer = 2 * (64 * 64 + 64 * 32 * 2 + 64 * 64 + 3 * 64 * 256)  # q, k, v, o, gate, up, down in bf16
+    assert estimate_memory(arch, **common, dequantized_layers=3).dequantized_weights == 3 * per_layer
+    with pytest.raises(ValueError, match="dequantized_layers=5"):
+        estimate_memory(arch, **common, dequantized_layers=5)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["hardware.dequantized_layers=-1"], "hardware.dequantized_layers=-1"),
+        (["quantization=none", "hardware.dequantized_layers=1"], "quantization=none"),
+        (["hardware.offload_checkpoints=true"], "hardware.offload_checkpoints=true"),
+        (["hardware.offload_checkpoints=true", "hardware.gradient_checkpointing=true", "hardware.checkpoint_layers=1"],
+         "hardware.checkpoint_layers=1"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_with_the_fix(overrides, key):
+    from exp.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(key)) as err:
+        compose_typed(["hardware=cpu", *overrides])
+    assert "hardware.dequantized_layers=0" in str(err.value) or "hardware.offload_checkpoints" in str(err.value)
