@@ -4,11 +4,11 @@
 #   bash benchmarks/gpu_check.sh [STAGE ...]        (no stage: all of them, in this order)
 #
 #   tests        python -m pytest -m gpu (every GPU test; the 2-GPU ones skip on one GPU)
-#   readme       the GPU commands of README.md, as written
+#   readme       the one-GPU commands of README.md, as written (doctor, the 7B run, then the default run with
+#                hardware=auto within what is left of the stage's time)
 #   bench2b      exp.bench, Gemma-2B shape, 2048 x 8: baseline, exp within the baseline's peak
 #   calibration  benchmarks/memory_calibration.py: the estimator on the fast path (liger / chunked, compile on / off)
-#   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak, exp within
-#                a quarter of it ($LEAN_GIB, default 14.9)
+#   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak
 #   whole        exp.bench, Gemma-7B 2048 x 8: exp on the whole GPU (against bench7b's baseline when it ran)
 #   real         exp.bench real-data mode on ../shared/data/alpaca_en_demo.json (or $EXP_ALPACA), Gemma-7B shape
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
@@ -84,6 +84,7 @@ run_stage() {
         set -x
         python3 -m exp.doctor model=gemma_7b hardware=gpu > $WORK/readme/doctor.txt 2>&1; echo doctor exit \$?
         python3 -m exp.train model=gemma_7b model.random_init=true hardware=gpu trainer.max_steps=20 > $WORK/readme/train_7b.txt 2>&1; echo train_7b exit \$?
+        t0=\$SECONDS; python3 -m exp.train hardware=auto > $WORK/readme/train_auto.txt 2>&1; echo train_auto exit \$? after \$((SECONDS - t0)) s
         tail -12 $WORK/readme/*.txt
         for d in outputs/*/*/; do cp \$d/summary.json $WORK/readme/summary-\$(basename \$d).json 2>/dev/null; done" ;;
     bench2b)
@@ -93,8 +94,7 @@ run_stage() {
         --ckpt none --losses liger chunked --compile both --out "$WORK/memory_calibration_fast_path" ;;
     bench7b)
       # Lean: a quarter of the baseline's peak at this shape (59.6 GiB measured on the H200).
-      stage bench7b 600 "${BENCH[@]}" memory_budget=baseline variant=baseline variant=exp \
-        variant="exp hardware.memory_budget_gib=${LEAN_GIB:-14.9}" ;;
+      stage bench7b 600 "${BENCH[@]}" memory_budget=baseline variant=baseline variant=exp ;;
     whole)
       ref=$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)
       stage whole 300 "${BENCH[@]}" ${ref:+reference="$ref"} variant="exp hardware.memory_budget_gib=null" ;;

@@ -194,3 +194,17 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     assert math.isfinite(result.final_val["val/loss"]) and result.final_val["val/loss"] < result.initial_val["val/loss"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_gpu_runs_get_expandable_allocator_segments_unless_the_user_chose(monkeypatch):
+    """Set before any CUDA allocation (torch reads it once); a user's PYTORCH_CUDA_ALLOC_CONF is left alone."""
+    import os
+
+    from exp.trainer import CUDA_ALLOC_CONF, configure_cuda_allocator
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    configure_cuda_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    configure_cuda_allocator()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
