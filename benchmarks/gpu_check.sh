@@ -14,6 +14,8 @@
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
 #   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 128 in one micro-batch, every layer recomputed,
 #                their inputs in host memory (hardware.offload_checkpoints)
+#   fuse         exp.bench headline with profile=true: exp, and exp with hardware.fuse_lora=true, within the
+#                baseline's peak and on the whole GPU; the baseline from $BENCH_REFERENCE when given
 #   profile7b    exp.bench headline with profile=true: exp as hardware=gpu runs it, and without kept dequantized
 #                weights; the baseline from $BENCH_REFERENCE (a bench7b JSON of the same settings) when given
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
@@ -112,6 +114,10 @@ run_stage() {
     capacity)
       stage capacity 420 "${BENCH[@]}" micro_batch=128 steps=3 warmup=1 \
         variant="exp hardware.auto_micro_batch=false hardware.offload_checkpoints=true" ;;
+    fuse)
+      if [ -n "${BENCH_REFERENCE:-}" ]; then base=(reference="$BENCH_REFERENCE"); else base=(variant=baseline); fi
+      stage fuse 540 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" variant=exp \
+        variant="exp hardware.fuse_lora=true" variant="exp hardware.memory_budget_gib=null hardware.fuse_lora=true" ;;
     profile7b)
       if [ -n "${BENCH_REFERENCE:-}" ]; then base=(reference="$BENCH_REFERENCE"); else base=(variant=baseline); fi
       stage profile7b 420 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" \

@@ -116,3 +116,41 @@ def test_bad_settings_are_refused_with_the_fix(overrides, key):
     with pytest.raises(ConfigError, match=re.escape(key)) as err:
         compose_typed(["hardware=cpu", *overrides])
     assert "hardware.dequantized_layers=0" in str(err.value) or "hardware.offload_checkpoints" in str(err.value)
+
+
+def _fused_modules(model) -> set[str]:
+    from exp.dequantized import FusedLoraLinear4bit
+
+    layer = decoder_layers(model)[0]
+    return {n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if type(m) is FusedLoraLinear4bit}
+
+
+KEPT = ["lora=all_linear", "lora.dropout=0.1", "hardware.dequantized_layers=4"]
+
+
+def test_lora_inside_the_base_product_gives_peft_s_sum():
+    """hardware.fuse_lora, fp32: the same loss and gradients as PEFT's two products and addition, up to rounding order."""
+    _, loss, grads = _loss_and_grads(KEPT)
+    model, loss_fused, grads_fused = _loss_and_grads([*KEPT, "hardware.fuse_lora=true"])
+    # The projections whose output is at least as wide as their input (tiny Gemma: q and o 128 -> 128, gate and
+    # up 128 -> 512; k and v 128 -> 64 and down 512 -> 128 are not).
+    assert _fused_modules(model) == {"q_proj", "o_proj", "gate_proj", "up_proj"}
+    assert torch.allclose(loss_fused, loss, rtol=1e-6)
+    assert grads_fused.keys() == grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(grads_fused[name], g, rtol=1e-4, atol=1e-5 * g.abs().max()), name
+
+
+def test_lora_inside_the_base_product_is_no_less_exact_under_bf16_autocast():
+    """Under bf16 autocast both paths round differently: measured against the fp32 gradients, the fused one is
+    at least about as close as PEFT's (relative error of each tensor, within 2x of PEFT's + 1e-3)."""
+    _, _, exact = _loss_and_grads(KEPT)
+    _, loss, peft = _loss_and_grads(KEPT, autocast=True)
+    _, loss_fused, fused = _loss_and_grads([*KEPT, "hardware.fuse_lora=true"], autocast=True)
+    assert torch.allclose(loss_fused, loss, rtol=1e-2)
+
+    def err(g: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((g.float() - ref).norm() / ref.norm())
+
+    for name, ref in exact.items():
+        assert err(fused[name], ref) <= 2 * err(peft[name], ref) + 1e-3, name

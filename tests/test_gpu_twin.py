@@ -149,6 +149,7 @@ TWIN = [
     "hardware.checkpoint_layers=2",  # what auto_checkpoint_layers picks by memory on a GPU: the first N
     "hardware.compile=true",  # auto on a GPU
     "hardware.dequantized_layers=1",  # what auto_dequantized_layers picks from the memory left on a GPU: the first N
+    "hardware.fuse_lora=true",  # ... with LoRA's B product inside the base product there (q_proj: 128 -> 128)
     "hardware.micro_batch_size=4",
     "trainer.global_batch_size=8",  # 2 micro-batches per step: accumulation under the same plugins
     "trainer.max_steps=4",
@@ -180,10 +181,12 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     layers = decoder_layers(module.model)
     assert [layer.gradient_checkpointing for layer in layers] == [True, True, False, False]
     assert all(layer._compiled_call_impl is not None for layer in layers)  # Module.compile: compiled in place
-    from exp.dequantized import DequantizedLinear4bit
+    from exp.dequantized import DequantizedLinear4bit, FusedLoraLinear4bit
 
     kept = [isinstance(layer.self_attn.q_proj.base_layer, DequantizedLinear4bit) for layer in layers]
     assert kept == [True, False, False, False]
+    fused = [type(layer.self_attn.q_proj) is FusedLoraLinear4bit for layer in layers]
+    assert fused == [True, False, False, False] and type(layers[0].self_attn.v_proj) is not FusedLoraLinear4bit
     lora_a = module.model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
     assert lora_a.dtype == torch.float32  # adapters stay fp32 under autocast (the optimizer state too)
     with (run_dir / "csv" / "metrics.csv").open() as f:

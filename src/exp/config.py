@@ -200,6 +200,11 @@ class HardwareConfig:
     # GPU: the preflight keeps as many layers dequantized as fit in what the micro-batch and checkpointing choices
     # leave of the budget (never at their expense), and prints its choice. An explicit dequantized_layers is kept.
     auto_dequantized_layers: bool = False
+    # In the layers with kept dequantized weights: LoRA's B product joins the base product (one GEMM over [W | B]
+    # instead of two products and an addition over the output; exp.dequantized). For the projections whose output is
+    # at least as wide as their input (q, k, v, gate, up); the others, and everything else, run as PEFT runs them.
+    # Same sum, other rounding order.
+    fuse_lora: bool = False
     # Send the tensors the backward needs from outside the recomputed layers (each checkpointed layer's input, the
     # final norm's and the loss's) to pinned host memory in the forward, and back one by one in the backward. For
     # micro-batches whose checkpointed inputs alone would fill the GPU; the copies cost time (host link bandwidth).

@@ -9,6 +9,13 @@ merging and inference). The preflight spends only memory left over after the mic
 The product is bitsandbytes' own: for a training batch its `MatMul4Bit` dequantizes the weight (`dequantize_4bit`,
 cast to the input's dtype) and calls `F.linear`, and its backward multiplies the gradient by the same dequantized
 weight. Here both use the kept copy.
+
+With a kept weight, LoRA's second product can join the base one (hardware.fuse_lora): PEFT computes
+`base(x) + (dropout(x) A^T) B^T * s` as two products and an addition over the layer's whole output, three passes over a
+tensor as wide as the output (24,576 columns for Gemma-7B's gate and up projections). Keeping the weight as
+`[W | B]` (out x (in + r)) gives the same sum as one product, `[x, s * dropout(x) A^T] [W | B]^T`, and one backward
+product gives both the input's gradient and that of the LoRA branch. It pays where the output is at least as wide as
+the input (q, k, v, gate, up); the joined input is one extra pass over `x`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import bitsandbytes as bnb
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 from torch import nn
 
 
@@ -35,7 +43,66 @@ class DequantizedLinear4bit(bnb.nn.Linear4bit):
         return f"{super().extra_repr()}, dequantized={self.dequantized.dtype}"
 
 
-def keep_dequantized(layers: list[nn.Module]) -> int:
+class _BaseAndLoraProduct(torch.autograd.Function):
+    """`[x, xa] @ packed^T` where `packed = [W | B]` holds the frozen weight and LoRA's B (copied in by the caller),
+    and `xa = s * dropout(x) A^T` comes from autograd (which then carries its gradient on to A and to x)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, xa: torch.Tensor, packed: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(xa, packed)
+        ctx.n_in, ctx.b_dtype = x.shape[-1], b.dtype
+        return F.linear(torch.cat([x, xa], dim=-1), packed)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        xa, packed = ctx.saved_tensors
+        n_in = ctx.n_in
+        # Autocast ran the forward product in its dtype; the backward runs outside autocast. (With a model loaded in
+        # the autocast dtype, as exp loads it, the two agree and nothing is copied.)
+        packed, xa = packed.to(grad_y.dtype), xa.to(grad_y.dtype)
+        grad_x = grad_xa = grad_b = None
+        if ctx.needs_input_grad[0]:
+            both = grad_y @ packed  # the input's gradient and the LoRA branch's, in one product
+            grad_x, grad_xa = both[..., :n_in], both[..., n_in:]
+        elif ctx.needs_input_grad[1]:
+            grad_xa = grad_y @ packed[:, n_in:]
+        if ctx.needs_input_grad[3]:
+            flat_g, flat_xa = grad_y.reshape(-1, grad_y.shape[-1]), xa.reshape(-1, xa.shape[-1])
+            grad_b = (flat_g.t() @ flat_xa).to(ctx.b_dtype)
+        return grad_x, grad_xa, None, grad_b
+
+
+class FusedLoraLinear4bit(LoraLinear4bit):
+    """PEFT's LoRA around a kept-dequantized 4-bit Linear, with B's product inside the base product (see the module
+    docstring). Anything but plain training or evaluation of one LoRA adapter (merged, disabled, several or mixed
+    adapters, DoRA) takes PEFT's own path."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapters = self.active_adapters
+        base = self.base_layer
+        if (
+            args
+            or kwargs
+            or self.disable_adapters
+            or self.merged
+            or len(adapters) != 1
+            or adapters[0] not in self.lora_A
+            or adapters[0] in self.lora_variant
+            or base.bias is not None
+        ):
+            return super().forward(x, *args, **kwargs)
+        name = adapters[0]
+        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        packed = base.packed
+        with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
+            packed[:, base.in_features :].copy_(lora_b.weight)
+        inp = x if torch.is_autocast_enabled() else x.to(lora_a.weight.dtype)  # as PEFT casts for the LoRA branch
+        xa = lora_a(self.lora_dropout[name](inp)) * self.scaling[name]
+        y = _BaseAndLoraProduct.apply(x.to(packed.dtype), xa.to(packed.dtype), packed, lora_b.weight)
+        return y.to(x.dtype)
+
+
+def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
     """Give every 4-bit Linear of `layers` a dequantized copy of its weight in its compute dtype, on the weight's
     device, and make it multiply by that copy. Returns the number of bytes kept.
 
@@ -44,14 +111,24 @@ def keep_dequantized(layers: list[nn.Module]) -> int:
     """
     kept = 0
     for layer in layers:
-        for module in layer.modules():
+        for wrapper in list(layer.modules()):
+            # The 4-bit Linear itself, or PEFT's LoRA wrapper around one (whose B may join the kept weight).
+            lora = wrapper if type(wrapper) is LoraLinear4bit else None
+            module = lora.base_layer if lora is not None else wrapper
             if type(module) is not bnb.nn.Linear4bit:
                 continue
             weight = module.weight
             dtype = module.compute_dtype or weight.quant_state.dtype  # what Linear4bit.forward computes in
+            r = 0
+            if fuse_lora and lora is not None and module.out_features >= module.in_features and module.bias is None:
+                r = next(iter(lora.lora_A.values())).out_features if len(lora.lora_A) == 1 else 0  # the rank
+            w = torch.empty(module.out_features, module.in_features + r, dtype=dtype, device=weight.device)
             with torch.no_grad():
-                w = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+                w[:, : module.in_features] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
             module.__class__ = DequantizedLinear4bit
-            module.dequantized = w
+            module.dequantized = w[:, : module.in_features]
+            if r:
+                module.packed = w
+                lora.__class__ = FusedLoraLinear4bit
             kept += w.numel() * w.element_size()
     return kept

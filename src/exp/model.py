@@ -257,7 +257,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     if cfg.hardware.dequantized_layers:
         from exp.dequantized import keep_dequantized
 
-        keep_dequantized(decoder_layers(model)[: cfg.hardware.dequantized_layers])
+        keep_dequantized(decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora)
     if cfg.hardware.strategy == Strategy.fsdp:
         # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
         # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
