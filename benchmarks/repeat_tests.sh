@@ -11,7 +11,7 @@ n=${1:?usage: repeat_tests.sh N [pytest arguments...]}
 shift
 logs=${REPEAT_LOGS:-$(mktemp -d /tmp/repeat-tests.XXXX)}
 mkdir -p "$logs"
-echo "python -m pytest -q -p no:cacheprovider $*   x $n   ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null), $(nproc) cores)"
+echo "python -m pytest -q -p no:cacheprovider$(printf ' %q' "$@")   x $n   ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null), $(nproc) cores)"
 passed=0
 for i in $(seq "$n"); do
   start=$SECONDS
