@@ -92,7 +92,8 @@ def default_run() -> str:
         f"{statistics.mean(loads):.1f} during the run; the bar shows loss, tokens/s and validation loss; written by "
         "`python benchmarks/readme_figures.py` from the run's output):"
     )
-    return f"{caption}\n\n```\n{last_bar_line(stderr)}\n\n{summary}\n```"
+    # exp draws its bar on the console (stdout); warnings go to stderr: look in both.
+    return f"{caption}\n\n```\n{last_bar_line(stdout + chr(10) + stderr)}\n\n{summary}\n```"
 
 
 def test_suite() -> str:
