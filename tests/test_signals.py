@@ -37,6 +37,18 @@ RUN = [*SHORT, "trainer.max_steps=5", "trainer.checkpoint_every_n_steps=2", "tra
 RUN += ["trainer.sample_count=0", "data.num_examples=120"]
 
 
+@pytest.fixture(autouse=True)
+def signals_at_their_defaults():
+    """`nohup` and a non-interactive shell's `&` start pytest with SIGHUP / SIGINT ignored, and exp rightly leaves
+    signals it was started without alone; these tests send them, so they start from the defaults."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 
