@@ -76,6 +76,17 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients():
         assert torch.equal(grads_off[name], g), name
 
 
+def test_the_training_step_offloads_only_when_asked():
+    from exp.module import QLoRAModule
+
+    on = QLoRAModule(
+        compose_typed([*BASE, "hardware.gradient_checkpointing=true", "hardware.offload_checkpoints=true"])
+    )
+    off = QLoRAModule(compose_typed(BASE))
+    assert isinstance(on._saved_tensors_place(), torch.autograd.graph.save_on_cpu)
+    assert isinstance(off._saved_tensors_place(), contextlib.nullcontext)
+
+
 def test_offloaded_checkpoint_inputs_leave_the_device_estimate():
     arch = dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
                 num_attention_heads=16, num_key_value_heads=16, head_dim=256)  # fmt: skip

@@ -257,7 +257,10 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     if cfg.hardware.dequantized_layers:
         from exp.dequantized import keep_dequantized
 
-        keep_dequantized(decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora)
+        kept = keep_dequantized(
+            decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora
+        )
+        log.info("kept dequantized weights: %d decoder layers, %.2f GiB", cfg.hardware.dequantized_layers, kept / 2**30)
     if cfg.hardware.strategy == Strategy.fsdp:
         # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
         # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
