@@ -14,8 +14,11 @@
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
 #   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 128 in one micro-batch, every layer recomputed,
 #                their inputs in host memory (hardware.offload_checkpoints)
-#   fuse         exp.bench headline with profile=true: exp, and exp with hardware.fuse_lora=true, within the
-#                baseline's peak and on the whole GPU; the baseline from $BENCH_REFERENCE when given
+#   fuse         exp.bench headline with profile=true: baseline, exp, and exp with hardware.fuse_lora=true, within
+#                the baseline's peak; the baseline from $BENCH_REFERENCE when given
+#   wholefuse    exp.bench, Gemma-7B 2048 x 8: exp with hardware.fuse_lora=true on the whole GPU, profiled (against
+#                $BENCH_REFERENCE or this call's latest headline result)
+#   auto         README's `python -m exp.train hardware=auto` alone, to its end
 #   profile7b    exp.bench headline with profile=true: exp as hardware=gpu runs it, and without kept dequantized
 #                weights; the baseline from $BENCH_REFERENCE (a bench7b JSON of the same settings) when given
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
@@ -116,8 +119,17 @@ run_stage() {
         variant="exp hardware.auto_micro_batch=false hardware.offload_checkpoints=true" ;;
     fuse)
       if [ -n "${BENCH_REFERENCE:-}" ]; then base=(reference="$BENCH_REFERENCE"); else base=(variant=baseline); fi
-      stage fuse 540 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" variant=exp \
-        variant="exp hardware.fuse_lora=true" variant="exp hardware.memory_budget_gib=null hardware.fuse_lora=true" ;;
+      stage fuse 560 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" variant=exp \
+        variant="exp hardware.fuse_lora=true" ;;
+    wholefuse)
+      ref=${BENCH_REFERENCE:-$(ls -t "$WORK"/bench/bench-gemma_7b-2048x8-*.json 2>/dev/null | head -1)}
+      stage wholefuse 300 "${BENCH[@]}" ${ref:+reference="$ref"} profile=true \
+        variant="exp hardware.memory_budget_gib=null hardware.fuse_lora=true" ;;
+    auto)
+      mkdir -p "$WORK/readme"
+      stage auto 300 bash -c "t0=\$SECONDS; python3 -m exp.train hardware=auto > $WORK/readme/train_auto.txt 2>&1; \
+        echo train_auto exit \$? after \$((SECONDS - t0)) s; tail -25 $WORK/readme/train_auto.txt
+        for d in outputs/*/*/; do cp \$d/summary.json $WORK/readme/summary-\$(basename \$d).json 2>/dev/null; done" ;;
     profile7b)
       if [ -n "${BENCH_REFERENCE:-}" ]; then base=(reference="$BENCH_REFERENCE"); else base=(variant=baseline); fi
       stage profile7b 420 "${BENCH[@]}" memory_budget=baseline profile=true "${base[@]}" \
