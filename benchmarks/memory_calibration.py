@@ -1,4 +1,4 @@
-"""Measure the peak GPU memory of real training steps and set it next to `exp.memory`'s prediction.
+"""Measure the peak GPU memory of real training steps and set it next to `exp.hardware.memory`'s prediction.
 
     python benchmarks/memory_calibration.py [--models gemma_2b gemma_7b] [--quick] [--out benchmarks/results/memory_calibration]
     python benchmarks/memory_calibration.py --models gemma_2b --grid 1024x2 1024x4 1024x8 --ckpt none \
@@ -6,10 +6,10 @@
     python benchmarks/memory_calibration.py --dry-run      # the predictions only; no GPU, no model
 
 For each model shape (the published architecture in conf/model/<name>.yaml, random weights built the project's
-way) the model is loaded once through exp's own loader (`exp.model.build_model`: NF4 + double quant, bf16, LoRA r16
+way) the model is loaded once through exp's own loader (`exp.model.build.build_model`: NF4 + double quant, bf16, LoRA r16
 on all 7 projections, dropout 0), then for every (seq, batch) and checkpointing on / off a few training steps run
 the way Lightning's training_step does (bf16 autocast, the model output dropped before backward, AdamW on the
-adapters, zero_grad(set_to_none=True)), with the training loss of `exp.loss` (--losses: transformers' `hf`, exp's
+adapters, zero_grad(set_to_none=True)), with the training loss of `exp.model.loss` (--losses: transformers' `hf`, exp's
 `chunked`, liger-kernel's `liger`) and, with --compile, the decoder layers compiled as `hardware.compile` does
 (the uncompiled combinations run first; compiling is in place). The measured peak is `torch.cuda.max_memory_allocated()` over the steps
 after warm-up; it is compared with `MemoryEstimate.allocated` (the prediction without the CUDA context / allocator
@@ -79,7 +79,7 @@ def combos(
 
 
 def predict(model: str, arch: dict[str, Any], seq: int, batch: int, ckpt: bool, loss: str = "hf", comp: bool = False):
-    from exp.memory import estimate_memory
+    from exp.hardware.memory import estimate_memory
 
     node = _model_node(model)
     return estimate_memory(
@@ -124,7 +124,7 @@ def gib(x: float | None) -> float | None:
 
 
 def dry_run(models: list[str], grid_combos: list[tuple[int, int, bool]], limit_gib: float) -> None:
-    from exp.memory import GiB
+    from exp.hardware.memory import GiB
 
     print("| model | seq | batch | ckpt | loss | predicted allocated GiB | predicted total GiB | peak at | run? |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -147,11 +147,11 @@ def dry_run(models: list[str], grid_combos: list[tuple[int, int, bool]], limit_g
 def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from exp.config import LossImpl, ModelFamily
-    from exp.local_models import build_random_checkpoint
-    from exp.loss import causal_lm_loss
-    from exp.memory import GiB, config_arch
-    from exp.model import build_model, compile_decoder_layers, quiet_third_party_logs
+    from exp.core.config import LossImpl, ModelFamily
+    from exp.hardware.memory import GiB, config_arch
+    from exp.model.build import build_model, compile_decoder_layers, quiet_third_party_logs
+    from exp.model.local import build_random_checkpoint
+    from exp.model.loss import causal_lm_loss
 
     quiet_third_party_logs()
     cfg = compose_cfg(model)
@@ -160,7 +160,10 @@ def measure_model(model: str, grid_combos, a: argparse.Namespace) -> list[dict[s
     t0 = time.time()
     print(f"[{model}] building / finding the random-weight checkpoint ...", flush=True)
     build_random_checkpoint(ModelFamily(cfg.model.family), dict(cfg.model.arch), cfg.model.seed)
-    print(f"[{model}] checkpoint ready ({time.time() - t0:.0f} s); loading through exp.model.build_model", flush=True)
+    print(
+        f"[{model}] checkpoint ready ({time.time() - t0:.0f} s); loading through exp.model.build.build_model",
+        flush=True,
+    )
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
@@ -273,7 +276,7 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"Command: `{header['command']}`",
         "",
         "Measured: `torch.cuda.max_memory_allocated()` over the steps after warm-up. Predicted: "
-        "`exp.memory.estimate_memory(...).allocated` (without the CUDA-context / allocator `workspace`). "
+        "`exp.hardware.memory.estimate_memory(...).allocated` (without the CUDA-context / allocator `workspace`). "
         "Error = (predicted - measured) / measured.",
         "",
         "| model | seq | batch | ckpt | loss | compiled | measured GiB | predicted GiB | error % | reserved GiB "

@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from exp.checkpoints import read_checkpoint
-from exp.config import Strategy
-from exp.launch import end_rank
+from exp.core.config import Strategy
+from exp.run.checkpoints import read_checkpoint
 from exp.train import compose_config, train
+from exp.training.launch import end_rank
 
 _AcceleratorConnector._check_strategy_and_fallback = lambda self: None  # "fsdp requires a GPU accelerator"
 _fsdp_init = FSDP.__init__

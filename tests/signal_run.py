@@ -31,12 +31,12 @@ def wrap(owner, name: str, marker: Path) -> None:
 
 
 def install(point: str, marker: Path) -> None:
-    import exp.security
+    import exp.run.security
     import exp.train
 
     points = {
         "before-run-dir": lambda: wrap(exp.train, "check_command_line", marker),
-        "hydra-start": lambda: wrap(exp.security.RunRecord, "on_job_start", marker),
+        "hydra-start": lambda: wrap(exp.run.security.RunRecord, "on_job_start", marker),
     }
     points[point]()
 

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, compose_typed
 
-from exp.config import ConfigError, LossImpl, Strategy
-from exp.data import IGNORE_INDEX, collate, encode_example
-from exp.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
-from exp.model import build_model, build_tokenizer
-from exp.module import build_optimizer
-from exp.synthetic import generate_examples
+from exp.core.config import ConfigError, LossImpl, Strategy
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import collate, encode_example
+from exp.data.synthetic import generate_examples
+from exp.model.build import build_model, build_tokenizer
+from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
+from exp.training.module import build_optimizer
 
 SMOKE = ["model=gemma_tiny", "seq=64", "micro_batch=2", "steps=5", "warmup=2"]
 
@@ -100,7 +101,7 @@ def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
 
 def test_flops_per_token_of_the_gemma_7b_shape():
     from exp.bench import model_flops_per_token
-    from exp.memory import config_arch
+    from exp.hardware.memory import config_arch
 
     arch = config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
     flops = model_flops_per_token(arch, 2048)
@@ -150,13 +151,13 @@ def loss_and_grads(model, batch, impl: LossImpl) -> tuple[float, dict[str, torch
 
 
 def test_chunked_loss_matches_transformers_loss_on_the_4bit_model(monkeypatch: pytest.MonkeyPatch):
-    import exp.loss
+    import exp.model.loss
 
     cfg = compose_typed(["lora=all_linear", "lora.dropout=0", "logger=none"])
     model = build_model(cfg, "cpu")
     batch = response_only_batch(cfg)
     # 7 tokens per chunk (the tiny vocabulary would otherwise fit one chunk): many chunks, a short last one.
-    monkeypatch.setattr(exp.loss, "CHUNK_LOGIT_BYTES", 7 * 4 * model.config.vocab_size)
+    monkeypatch.setattr(exp.model.loss, "CHUNK_LOGIT_BYTES", 7 * 4 * model.config.vocab_size)
     hf_loss, hf_grads = loss_and_grads(model, batch, LossImpl.hf)
     ch_loss, ch_grads = loss_and_grads(model, batch, LossImpl.chunked)
     assert ch_loss == pytest.approx(hf_loss, rel=1e-6)

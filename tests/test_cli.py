@@ -80,7 +80,7 @@ def test_a_bad_argument_names_itself_and_the_fix(module, argv, message, tmp_path
 
 
 def test_verbose_flag_is_the_verbose_key():
-    from exp.cli import parse
+    from exp.core.cli import parse
     from exp.generate import TOOL as GENERATE
     from exp.preview import TOOL as PREVIEW
     from exp.train import compose_config

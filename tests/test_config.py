@@ -21,7 +21,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import exp.train
-from exp.config import (
+from exp.core.config import (
     Accelerator,
     ConfigError,
     DataFormat,
@@ -30,7 +30,7 @@ from exp.config import (
     QuantType,
     TrainConfig,
 )
-from exp.overrides import check_cli_overrides
+from exp.run.overrides import check_cli_overrides
 
 CONF_DIR = Path(exp.train.CONF_DIR)
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")

@@ -8,9 +8,10 @@ import os
 import pytest
 from conftest import SHARED_DATA, SHORT, compose_typed
 
-from exp.config import ConfigError
-from exp.data import IGNORE_INDEX, InstructionDataModule, encode_example, format_prompt, load_examples
-from exp.model import build_tokenizer
+from exp.core.config import ConfigError
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import InstructionDataModule, encode_example, format_prompt, load_examples
+from exp.model.build import build_tokenizer
 
 ROW = {"instruction": "Repeat the words exactly.", "input": "red fox", "output": "red fox"}
 
@@ -175,12 +176,12 @@ def test_hub_dataset_neither_cached_nor_reachable(monkeypatch, tokenizer):
 
 
 def test_second_build_reads_the_tokenisation_cache(tmp_path, monkeypatch, tokenizer):
-    import exp.data
+    import exp.data.datamodule
 
     monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = exp.data.render_row
-    monkeypatch.setattr(exp.data, "render_row", lambda *a: calls.append(1) or real(*a))
+    real = exp.data.datamodule.render_row
+    monkeypatch.setattr(exp.data.datamodule, "render_row", lambda *a: calls.append(1) or real(*a))
     path = write_jsonl(tmp_path / "d.jsonl", ALPACA)
     first = datamodule(tokenizer, "data=alpaca", f"data.path={path}")
     assert len(calls) == 30

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import compose_typed
 
-from exp.config import ConfigError
-from exp.data import load_examples
-from exp.data_files import CHUNK
+from exp.core.config import ConfigError
+from exp.data.datamodule import load_examples
+from exp.data.files import CHUNK
 
 ROWS = [{"instruction": f"Say {i}", "input": "", "output": f"{i} é"} for i in range(20)]
 
@@ -146,14 +146,14 @@ def test_a_damaged_datasets_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog
     assert len(load_examples(cfg)) == 20
     (arrow,) = (tmp_path / "cache" / "datasets").rglob("*.arrow")
     arrow.write_bytes(arrow.read_bytes()[:100])  # truncated by a full disk, say
-    with caplog.at_level(logging.WARNING, logger="exp.data"):
+    with caplog.at_level(logging.WARNING, logger="exp.data.datamodule"):
         assert len(load_examples(cfg)) == 20
     assert "the files are sound; rebuilt its datasets cache entry" in caplog.text
 
 
 def test_the_diagnosis_names_a_type_change_by_line(tmp_path):
     """What `datasets` reports as 'changed from string to object in row 0' (no file, no line)."""
-    from exp.data_files import diagnose
+    from exp.data.files import diagnose
 
     path = tmp_path / "d.jsonl"
     path.write_text(replace_line(jsonl(), 4, json.dumps({"instruction": {"a": 1}, "input": "", "output": "x"})))

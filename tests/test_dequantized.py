@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import compose_typed
 
-from exp.dequantized import DequantizedLinear4bit
-from exp.loss import causal_lm_loss
-from exp.memory import estimate_memory
-from exp.model import build_model, decoder_layers
+from exp.hardware.memory import estimate_memory
+from exp.model.build import build_model, decoder_layers
+from exp.model.dequantized import DequantizedLinear4bit
+from exp.model.loss import causal_lm_loss
 
 BASE = ["hardware=cpu", "hardware.loss_impl=chunked", "lora.init_seed=3"]
 
@@ -77,7 +77,7 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients():
 
 
 def test_the_training_step_offloads_only_when_asked():
-    from exp.module import QLoRAModule
+    from exp.training.module import QLoRAModule
 
     on = QLoRAModule(
         compose_typed([*BASE, "hardware.gradient_checkpointing=true", "hardware.offload_checkpoints=true"])
@@ -122,7 +122,7 @@ def test_dequantized_weights_are_counted_per_layer():
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_with_the_fix(overrides, key):
-    from exp.config import ConfigError
+    from exp.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(key)) as err:
         compose_typed(["hardware=cpu", *overrides])
@@ -130,7 +130,7 @@ def test_bad_settings_are_refused_with_the_fix(overrides, key):
 
 
 def _fused_modules(model) -> set[str]:
-    from exp.dequantized import FusedLoraLinear4bit
+    from exp.model.dequantized import FusedLoraLinear4bit
 
     layer = decoder_layers(model)[0]
     return {n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if type(m) is FusedLoraLinear4bit}

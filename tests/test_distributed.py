@@ -12,9 +12,9 @@ import sys
 import torch
 from conftest import SHORT
 
-from exp.run_dir import shared_launch_id
-from exp.signals import REQUEUE_EXIT
+from exp.run.dirs import shared_launch_id
 from exp.train import run
+from exp.training.signals import REQUEUE_EXIT
 
 
 def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):

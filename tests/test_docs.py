@@ -5,7 +5,7 @@ transcript together with what it printed (the lines up to a blank line or the ne
 the file takes seconds; how each command is checked depends on what it runs (`check`):
 
 - `python -m exp.train`: **composed**. Checked as the CLI checks it before Hydra starts
-  (`exp.overrides.check_command_line`: composition, unknown keys, the `_target_` allow-list, run directories),
+  (`exp.run.overrides.check_command_line`: composition, unknown keys, the `_target_` allow-list, run directories),
   composed into the typed config (every job of a grid sweep) and, for a config the CPU runs, preflighted for this
   CPU machine. A transcript that shows an error must show the message the command prints. The runs themselves are
   tested elsewhere: the default run end to end (test_default_run.py), short runs (test_training.py), resume
@@ -111,9 +111,9 @@ def cli_check(args: list[str]):
     from hydra._internal.utils import get_args_parser
 
     import exp.train
-    from exp.config import ConfigError
-    from exp.overrides import check_command_line
-    from exp.tracking import mask_secrets
+    from exp.core.config import ConfigError
+    from exp.core.secrets import mask_secrets
+    from exp.run.overrides import check_command_line
 
     problems, _ = check_command_line(args, exp.train.__file__, str(exp.train.CONF_DIR), "train")
     if problems:
@@ -145,13 +145,13 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
     from hydra._internal.utils import get_args_parser
 
     import exp.train
-    from exp.preflight import Environment, Gpu, check, format_findings
+    from exp.hardware.preflight import Environment, Gpu, check, format_findings
 
     monkeypatch.chdir(ROOT)  # as typed in the clone's root (`--config-dir sweeps`, relative run directories)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     expected = "\n".join(cmd.output)
-    from exp.run_dir import shared_launch_id
+    from exp.run.dirs import shared_launch_id
 
     if shared_launch_id(env) == "":  # a rank of a launch without a shared id: refused before anything else
         with pytest.raises(SystemExit) as stop:
@@ -240,8 +240,8 @@ def check_doctor(cmd: DocCommand, args: list[str], capsys) -> None:
 def check_run_command(cmd: DocCommand, args: list[str], module: str) -> None:
     import importlib
 
-    from exp.cli import parse
-    from exp.config import ConfigError
+    from exp.core.cli import parse
+    from exp.core.config import ConfigError
 
     tool = importlib.import_module(module).TOOL
     if any(line.startswith("exp: error:") for line in cmd.output):  # a documented refusal: the same words

@@ -12,9 +12,9 @@ import torch
 from conftest import SHORT
 from safetensors.torch import load_file
 
-from exp.faults import NonFiniteError, OutOfMemory
-from exp.module import QLoRAModule
 from exp.train import run
+from exp.training.faults import NonFiniteError, OutOfMemory
+from exp.training.module import QLoRAModule
 
 
 def poison_step(monkeypatch, steps: set[int], make) -> None:

@@ -7,9 +7,10 @@ import json
 import pytest
 from conftest import SHORT, compose_typed
 
-from exp.data import IGNORE_INDEX, encode_rendered
-from exp.formats import BadRow, render_row
-from exp.model import build_tokenizer
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import encode_rendered
+from exp.data.formats import BadRow, render_row
+from exp.model.build import build_tokenizer
 
 # One row per format, and the exact text the loss must cover (response) and must not (prompt).
 CHAT = [

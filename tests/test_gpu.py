@@ -36,7 +36,7 @@ def test_gemma_2b_trains_on_one_gpu(tmp_path):
 def test_quantized_weights_and_adapters_live_on_the_strategy_device():
     from conftest import compose_typed
 
-    from exp.model import build_model
+    from exp.model.build import build_model
 
     # precision is named here because nothing runs the preflight (which resolves `auto`) in this test.
     cfg = compose_typed(
@@ -81,8 +81,8 @@ def test_lora_init_does_not_depend_on_the_default_device():
     be drawn as on the CPU (same lora.init_seed, same adapters, whatever the machine)."""
     from conftest import compose_typed
 
-    from exp.bench_baseline import lora_fingerprint
-    from exp.model import build_model
+    from exp.model.build import build_model
+    from exp.training.baseline_loop import lora_fingerprint
 
     cfg = compose_typed(["hardware=gpu", "hardware.precision=bf16-mixed", "logger=csv"])
     # The same config on the CPU (bf16 too: PEFT rounds the adapters through the base's dtype before upcasting).

@@ -23,7 +23,7 @@ import lightning as L
 import pytest
 import torch
 
-from exp.precision import FusedOptimizerMixedPrecision, build_precision_plugin
+from exp.training.precision import FusedOptimizerMixedPrecision, build_precision_plugin
 
 CLIP = 0.05  # far below the gradient norm of these steps, so clipping changes every update
 
@@ -176,12 +176,12 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     assert trainer.precision_plugin.precision == "bf16-mixed" and trainer.gradient_clip_val == 0.5
     assert trainer.optimizers[0].defaults["fused"] is True
     assert module.loss_choice.impl.value == "chunked"
-    from exp.model import decoder_layers
+    from exp.model.build import decoder_layers
 
     layers = decoder_layers(module.model)
     assert [layer.gradient_checkpointing for layer in layers] == [True, True, False, False]
     assert all(layer._compiled_call_impl is not None for layer in layers)  # Module.compile: compiled in place
-    from exp.dequantized import DequantizedLinear4bit, FusedLoraLinear4bit
+    from exp.model.dequantized import DequantizedLinear4bit, FusedLoraLinear4bit
 
     kept = [isinstance(layer.self_attn.q_proj.base_layer, DequantizedLinear4bit) for layer in layers]
     assert kept == [True, False, False, False]
@@ -203,7 +203,7 @@ def test_gpu_runs_get_expandable_allocator_segments_unless_the_user_chose(monkey
     """Set before any CUDA allocation (torch reads it once); a user's PYTORCH_CUDA_ALLOC_CONF is left alone."""
     import os
 
-    from exp.trainer import CUDA_ALLOC_CONF, configure_cuda_allocator
+    from exp.training.trainer import CUDA_ALLOC_CONF, configure_cuda_allocator
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     configure_cuda_allocator()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exp.config import ConfigError
+from exp.core.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def in_process(main, args: list[str], capsys) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def loaded(short_run):
-    from exp.inference import load_run
+    from exp.run.inference import load_run
 
     return load_run(short_run.output_dir)
 
@@ -91,7 +91,7 @@ def test_greedy_generation_is_a_manual_greedy_decode(loaded):
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     assert got == manual
     # The Alpaca prompt is the training encoding: <bos> once, then the template.
-    from exp.data import encode_example
+    from exp.data.datamodule import encode_example
 
     enc, _ = encode_example(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"}, 128, False)
     first_label = next(i for i, t in enumerate(enc.labels) if t != -100)
@@ -149,7 +149,7 @@ def test_merged_checkpoint_loads_with_plain_transformers_and_matches(short_run, 
     plain = torch.load(tmp_path / "logits.pt")
 
     # The reference: the same dequantized base with the adapter unmerged (LoRA applied at every forward).
-    from exp.inference import load_adapter, load_base, run_config
+    from exp.run.inference import load_adapter, load_base, run_config
 
     cfg = run_config(short_run.output_dir, torch.device("cpu"))
     base = load_base(cfg, short_run.output_dir, torch.device("cpu")).dequantize(dtype=torch.float32)
@@ -269,7 +269,7 @@ def test_training_writes_samples_at_every_validation(short_run, loaded):
     assert text.count("[3] prompt: '### Instruction:\\nRepeat the words exactly.") == 3
     assert text.count("    answer: ") == 9
     # Prompts are written exactly: a copied one, after <bos>, is the held-out example's prompt token for token.
-    from exp.samples import prompt_ids_from_heldout
+    from exp.training.samples import prompt_ids_from_heldout
 
     tokenizer = loaded.tokenizer
     written = [ast.literal_eval(line.split("prompt: ", 1)[1]) for line in text.splitlines() if "] prompt: " in line]
@@ -280,7 +280,7 @@ def test_training_writes_samples_at_every_validation(short_run, loaded):
 
 
 def build_datamodule(cfg, tokenizer):
-    from exp.data import build_datamodule as build
+    from exp.data.datamodule import build_datamodule as build
 
     return build(cfg.data, tokenizer, cfg.hardware.micro_batch_size, cfg.hardware.num_workers)
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import SHORT, compose_typed
 
-import exp.cache_entries
-from exp.checkpoints import CONTENT_HASH, AtomicCheckpointIO, candidates, first_intact, read_checkpoint
-from exp.config import ConfigError
+import exp.core.cache
+from exp.core.config import ConfigError
+from exp.run.checkpoints import CONTENT_HASH, AtomicCheckpointIO, candidates, first_intact, read_checkpoint
 
 
 def flip_a_bit_in_a_lora_tensor(path: Path) -> str:
@@ -93,12 +93,12 @@ def test_resuming_from_an_altered_checkpoint_is_refused_by_the_cli(run_copy, tmp
 def fresh_cache(tmp_path, monkeypatch) -> Path:
     """An empty exp cache, and a process that has verified nothing yet (as a new run would be)."""
     monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(exp.cache_entries, "_verified", set())
+    monkeypatch.setattr(exp.core.cache, "_verified", set())
     return tmp_path / "cache"
 
 
 def build_model_entry() -> Path:
-    from exp.local_models import build_random_checkpoint
+    from exp.model.local import build_random_checkpoint
 
     m = compose_typed([]).model
     return build_random_checkpoint(m.family, dict(m.arch), m.seed)
@@ -119,8 +119,8 @@ def test_a_damaged_model_entry_is_named_and_rebuilt(fresh_cache, caplog, damage:
     weights = entry / "model.safetensors"
     before = {k: v.clone() for k, v in load_file(weights).items()}  # not backed by the file damaged below
     DAMAGE[damage](weights)
-    exp.cache_entries._verified.clear()  # the next run
-    with caplog.at_level(logging.WARNING, logger="exp.cache_entries"):
+    exp.core.cache._verified.clear()  # the next run
+    with caplog.at_level(logging.WARNING, logger="exp.core.cache"):
         assert build_model_entry() == entry
     assert f"{entry} is damaged (model.safetensors" in caplog.text and "rebuilding it" in caplog.text
     after = load_file(weights)
@@ -130,16 +130,16 @@ def test_a_damaged_model_entry_is_named_and_rebuilt(fresh_cache, caplog, damage:
 
 def test_an_entry_without_a_manifest_is_rebuilt(fresh_cache, caplog):
     entry = build_model_entry()
-    (entry / exp.cache_entries.MANIFEST).unlink()
-    exp.cache_entries._verified.clear()
-    with caplog.at_level(logging.WARNING, logger="exp.cache_entries"):
+    (entry / exp.core.cache.MANIFEST).unlink()
+    exp.core.cache._verified.clear()
+    with caplog.at_level(logging.WARNING, logger="exp.core.cache"):
         build_model_entry()
-    assert "no readable exp_entry.json" in caplog.text and (entry / exp.cache_entries.MANIFEST).is_file()
+    assert "no readable exp_entry.json" in caplog.text and (entry / exp.core.cache.MANIFEST).is_file()
 
 
 def test_a_damaged_tokenisation_entry_is_named_and_rebuilt(fresh_cache, caplog):
-    from exp.data import InstructionDataModule
-    from exp.model import build_tokenizer
+    from exp.data.datamodule import InstructionDataModule
+    from exp.model.build import build_tokenizer
 
     cfg = compose_typed(["data.num_examples=100"])
     tokenizer = build_tokenizer(cfg.model)
@@ -147,8 +147,8 @@ def test_a_damaged_tokenisation_entry_is_named_and_rebuilt(fresh_cache, caplog):
     (entry,) = [p for p in (fresh_cache / "tokenized").iterdir()]
     rows = entry / "rows.arrow"
     rows.write_bytes(rows.read_bytes()[:-100])
-    exp.cache_entries._verified.clear()
-    with caplog.at_level(logging.WARNING, logger="exp.cache_entries"):
+    exp.core.cache._verified.clear()
+    with caplog.at_level(logging.WARNING, logger="exp.core.cache"):
         second = InstructionDataModule(cfg.data, tokenizer, micro_batch_size=4)
     assert f"tokenisation of synthetic {entry} is damaged (rows.arrow has" in caplog.text
     assert [e.input_ids for e in second.train_set] == [e.input_ids for e in first.train_set]
@@ -159,8 +159,8 @@ def test_half_built_entries_of_dead_processes_are_removed(fresh_cache):
     leaves a live process's build alone."""
     entry = build_model_entry()
     shutil.rmtree(entry)
-    exp.cache_entries._verified.clear()
-    prefix = exp.cache_entries._partial_prefix(entry)
+    exp.core.cache._verified.clear()
+    prefix = exp.core.cache._partial_prefix(entry)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     abandoned = entry.with_name(f"{prefix}{dead.pid}.partial")
@@ -177,5 +177,5 @@ def test_a_build_interrupted_by_an_exception_leaves_nothing(fresh_cache):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        exp.cache_entries.ensure_entry(fresh_cache / "x" / "entry", build, "test entry")
+        exp.core.cache.ensure_entry(fresh_cache / "x" / "entry", build, "test entry")
     assert list((fresh_cache / "x").iterdir()) == []

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, compose_typed
 
-from exp import loss, memory
-from exp.memory import (
+from exp.hardware import memory
+from exp.hardware.memory import (
     GiB,
     MemoryEstimate,
     estimate_for_config,
@@ -21,6 +21,7 @@ from exp.memory import (
     lora_param_count,
     suggest_micro_batch,
 )
+from exp.model import loss
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -338,7 +339,7 @@ def test_compiled_layers_match_the_h200_bench():
     c-byte input; against the peaks exp.bench measured on an H200 (benchmarks/results/bench-gemma_7b-2048x8-20261201-162521)."""
     import json
 
-    from exp.bench_baseline import ALL_PROJECTIONS
+    from exp.training.baseline_loop import ALL_PROJECTIONS
 
     arch = memory.config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
     common = dict(quant_type="nf4", double_quant=True, lora_r=16, lora_targets=ALL_PROJECTIONS, micro_batch_size=8,

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from conftest import compose_typed
 
-from exp.data import IGNORE_INDEX, collate, encode_example, length_grouped_batches, padding_stats
-from exp.packing import pack
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import collate, encode_example, length_grouped_batches, padding_stats
+from exp.data.packing import pack
 
 
 def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, starts: list[list[int]]) -> list[float]:
@@ -27,13 +28,13 @@ def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, starts: list[
 def test_packed_rows_give_the_same_per_example_losses_as_unpacked_batches(attn):
     from transformers import AutoModelForCausalLM
 
-    from exp.model import build_tokenizer, resolve_checkpoint
-    from exp.synthetic import generate_examples
+    from exp.data.synthetic import generate_examples
+    from exp.model.build import build_tokenizer, resolve_checkpoint
 
     cfg = compose_typed([])
     tok = build_tokenizer(cfg.model)
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(cfg.model), attn_implementation=attn).eval()
-    # As in training (exp.model turns the cache off): with a KV cache transformers skips packed-sequence detection.
+    # As in training (exp.model.build turns the cache off): with a KV cache transformers skips packed-sequence detection.
     model.config.use_cache = False
     examples = [encode_example(tok, r, 128, False)[0] for r in generate_examples(12, seed=3)]
     with torch.no_grad():
@@ -101,7 +102,7 @@ def test_step_length_grouping_keeps_each_steps_examples_and_sorts_inside_it():
     are reordered (longest first), which cuts their padding."""
     from types import SimpleNamespace as E
 
-    from exp.data import shuffled_batches, step_sorted_batches
+    from exp.data.datamodule import shuffled_batches, step_sorted_batches
 
     lengths = [(i * 37) % 200 + 5 for i in range(403)]
     rows = [E(input_ids=[1] * n, labels=[1] * n) for n in lengths]
@@ -119,10 +120,10 @@ def test_step_length_grouping_keeps_each_steps_examples_and_sorts_inside_it():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_step_token_weighting_gives_the_gradient_of_the_whole_step(world_size):
-    """Micro-batches of a step hold different numbers of loss tokens: weighted by exp.module.step_token_weighted,
+    """Micro-batches of a step hold different numbers of loss tokens: weighted by exp.training.module.step_token_weighted,
     their accumulated gradients (Lightning's 1/accumulate, DDP's mean over ranks) equal the gradient of the mean
     over all the step's tokens, as one batch would give."""
-    from exp.module import step_token_weighted
+    from exp.training.module import step_token_weighted
 
     torch.manual_seed(0)
     w = torch.randn(16, 32, requires_grad=True)
@@ -155,8 +156,8 @@ def test_step_token_weighting_gives_the_gradient_of_the_whole_step(world_size):
 def test_step_grouped_batches_carry_their_steps_loss_tokens(tmp_path):
     import json
 
-    from exp.data import build_datamodule, loss_tokens, shuffled_batches
-    from exp.model import build_tokenizer
+    from exp.data.datamodule import build_datamodule, loss_tokens, shuffled_batches
+    from exp.model.build import build_tokenizer
 
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     path = tmp_path / "rows.jsonl"

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import compose_typed
 
-from exp.preflight import PREFLIGHT_EXIT, Environment, Gpu, check, probe_environment
+from exp.hardware.preflight import PREFLIGHT_EXIT, Environment, Gpu, check, probe_environment
 
 H200 = Gpu("NVIDIA H200", 143 * 2**30, 140 * 2**30, (9, 0))
 T4 = Gpu("Tesla T4", 15 * 2**30, 14 * 2**30, (7, 5))
@@ -138,8 +138,8 @@ def _gemma_7b_on(micro_batch: int, *extra: str):
 
 @pytest.mark.parametrize("micro_batch", [4, 8, 32])
 def test_auto_checkpoint_layers_recomputes_the_fewest_layers_that_fit(micro_batch):
-    from exp.memory import estimate_for_config
-    from exp.preflight import AUTO_CHECKPOINT_HEADROOM
+    from exp.hardware.memory import estimate_for_config
+    from exp.hardware.preflight import AUTO_CHECKPOINT_HEADROOM
 
     result = check(_gemma_7b_on(micro_batch), Environment(gpus=[H200], **GPU_ENV))
     assert result.ok, result.findings
@@ -306,7 +306,7 @@ def test_the_default_warmup_is_a_fraction_of_the_run(max_steps: int, warmup: int
     result = check(compose_typed([f"trainer.max_steps={max_steps}"]), Environment())
     assert result.cfg.trainer.warmup_step_count == warmup
     assert not any("warmup" in n for n in result.notes)
-    from exp.module import lr_lambda
+    from exp.training.module import lr_lambda
 
     t = result.cfg.trainer
     multipliers = [lr_lambda(s, t.warmup_step_count, t.max_steps, t.lr_schedule) for s in range(t.max_steps)]
@@ -316,7 +316,7 @@ def test_the_default_warmup_is_a_fraction_of_the_run(max_steps: int, warmup: int
 def test_compile_auto_is_on_for_a_gpu_and_off_on_the_cpu(monkeypatch):
     import importlib.util
 
-    import exp.preflight as preflight
+    import exp.hardware.preflight as preflight
 
     assert (
         check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment()).cfg.hardware.compile is False
@@ -356,7 +356,7 @@ def test_memory_budget_caps_the_checkpointing_choice():
     layers_whole = (whole.checkpoint_layers or 0) if whole.gradient_checkpointing else 0
     assert hw.checkpoint_layers > layers_whole
     assert any("hardware.memory_budget_gib=60" in n for n in capped.notes)
-    from exp.memory import estimate_for_config
+    from exp.hardware.memory import estimate_for_config
 
     assert estimate_for_config(capped.cfg).total <= 60 * 2**30
     # One layer fewer would not fit: the fewest recomputed layers within the budget.
@@ -369,8 +369,8 @@ def test_memory_budget_caps_the_checkpointing_choice():
 def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
     """hardware=gpu: the largest micro-batch (dividing the global batch) that fits without recomputed layers, not
     below AUTO_MICRO_BATCH_MIN_TOKENS tokens; only then layers recompute. The global batch never changes."""
-    from exp.memory import estimate_for_config
-    from exp.preflight import AUTO_MICRO_BATCH_MIN_TOKENS
+    from exp.hardware.memory import estimate_for_config
+    from exp.hardware.preflight import AUTO_MICRO_BATCH_MIN_TOKENS
 
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
@@ -407,7 +407,7 @@ def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
 def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():
     """hardware=gpu: after the micro-batch and the recomputed layers are chosen, as many layers keep their weights
     dequantized as the rest of the budget holds; the other choices are those made without it."""
-    from exp.memory import estimate_for_config
+    from exp.hardware.memory import estimate_for_config
 
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exp.checkpoints import AtomicCheckpointIO, candidates
-from exp.signals import REQUEUE_EXIT
+from exp.run.checkpoints import AtomicCheckpointIO, candidates
+from exp.training.signals import REQUEUE_EXIT
 
 # 60 steps, a checkpoint every 10: long enough to interrupt after step 20 and have most of the run left.
 RUN = [
@@ -186,7 +186,7 @@ def test_resume_refuses_a_run_with_a_different_config(uninterrupted, tmp_path):
 
 
 def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
-    from exp.resume import find_auto
+    from exp.run.resume import find_auto
     from exp.train import compose_config, config_dict
 
     cfg = config_dict(compose_config(["trainer.resume=auto"]))
@@ -246,7 +246,7 @@ def test_every_checkpoint_appears_after_the_csv_rows_of_the_steps_it_holds(tmp_p
     in between (killed there, continued from it) leaves a step that neither the run nor its continuation logs. At
     the moment each checkpoint is renamed into place, the CSV on disk must already hold a row for every step it
     covers."""
-    import exp.checkpoints
+    import exp.run.checkpoints
     from exp.train import run
 
     out = tmp_path / "run"
@@ -260,7 +260,7 @@ def test_every_checkpoint_appears_after_the_csv_rows_of_the_steps_it_holds(tmp_p
             seen.append((Path(dst).name, step, set(losses(out)) if metrics.exists() else set()))
         rename(src, dst)
 
-    monkeypatch.setattr(exp.checkpoints.os, "replace", replace)
+    monkeypatch.setattr(exp.run.checkpoints.os, "replace", replace)
     run(
         [
             "trainer.max_steps=12",
@@ -283,7 +283,7 @@ def test_a_new_csv_column_rewrites_the_record_whole_or_not_at_all(tmp_path, monk
     """A metric seen for the first time (a continued run's first validation) makes the CSV logger rewrite
     metrics.csv under a wider header: a process dying in that rewrite leaves the previous record, not a truncated
     one whose steps a continuation (starting after the checkpoint) would never log again."""
-    from exp.csv_record import AtomicCSVLogger
+    from exp.run.csv_record import AtomicCSVLogger
 
     logger = AtomicCSVLogger(save_dir=str(tmp_path), name="", version="csv")
     path = tmp_path / "csv" / "metrics.csv"
@@ -331,7 +331,7 @@ def test_resume_takes_the_newest_step_even_when_last_ckpt_is_older(tmp_path):
 def test_checkpointing_choices_may_differ_on_resume_but_the_math_may_not():
     # The preflight picks the recomputed layers from the free memory of the GPU a continuation lands on: that must
     # not hide the run from trainer.resume=auto (the gradients do not depend on it, tests/test_training.py).
-    from exp.resume import config_differences
+    from exp.run.resume import config_differences
 
     recorded = {"hardware": {"gradient_checkpointing": True, "checkpoint_layers": 7, "micro_batch_size": 8}}
     moved = {"hardware": {"gradient_checkpointing": False, "checkpoint_layers": None, "micro_batch_size": 8}}

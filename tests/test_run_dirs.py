@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from exp.config import ConfigError
-from exp.resume import find_auto, search_places
-from exp.run_dir import release_runs
+from exp.core.config import ConfigError
+from exp.run.dirs import release_runs
+from exp.run.resume import find_auto, search_places
 
 CONFIG = {"trainer": {"max_steps": 10, "resume": "auto"}, "lora": {"r": 8}}
 
@@ -92,7 +92,7 @@ def test_a_chain_of_continuations_continues_from_its_newest_checkpoint(tmp_path)
 def hold_lock(path: Path) -> subprocess.Popen:
     """Another process that holds `path`'s run lock (as a running run or a continuation does) until killed."""
     code = (
-        "import sys, time; from pathlib import Path; from exp.run_dir import lock_run; "
+        "import sys, time; from pathlib import Path; from exp.run.dirs import lock_run; "
         "assert lock_run(Path(sys.argv[1]), create=False); print('locked', flush=True); time.sleep(600)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
@@ -106,7 +106,7 @@ def test_a_run_in_use_by_another_process_is_never_continued(tmp_path):
     holder = hold_lock(running)
     try:
         assert find_auto(CONFIG, tmp_path / "new") is None  # auto: skipped
-        from exp.resume import resolve
+        from exp.run.resume import resolve
         from exp.train import compose_config, config_dict
 
         cfg = compose_config([f"trainer.resume={running}"])
@@ -123,7 +123,7 @@ def test_two_continuations_of_one_run_cannot_both_start(tmp_path):
     preempted = fake_run(tmp_path / "preempted")
     assert find_auto(CONFIG, tmp_path / "a") == preempted  # this process continues it, and holds its lock
     code = (
-        "import json, sys; from pathlib import Path; from exp.resume import find_auto; "
+        "import json, sys; from pathlib import Path; from exp.run.resume import find_auto; "
         "print(find_auto(json.loads(sys.argv[1]), Path(sys.argv[2])))"
     )
     other = subprocess.run(
@@ -136,7 +136,7 @@ def test_two_continuations_of_one_run_cannot_both_start(tmp_path):
 CLAIM = """
 import sys, time
 from pathlib import Path
-from exp.run_dir import claim_run_dir
+from exp.run.dirs import claim_run_dir
 start = Path(sys.argv[2])
 print("ready", flush=True)
 while not start.exists():
@@ -195,7 +195,7 @@ def test_a_run_dir_that_cannot_be_created_is_refused_clearly(tmp_path, monkeypat
     assert "/proc/exp-run/x" in proc.stderr and "cannot be created" in proc.stderr
     assert "hydra.run.dir=<a writable path>" in proc.stderr
 
-    from exp.overrides import run_dir_problems
+    from exp.run.overrides import run_dir_problems
 
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only file system, as root sees it
     (problem,) = run_dir_problems("hydra.run.dir", tmp_path / "ro" / "run")
@@ -217,7 +217,7 @@ def test_a_full_disk_is_reported_without_a_traceback(capsys):
 
 
 def test_a_killed_run_reads_as_interrupted_while_a_running_one_reads_as_running(tmp_path):
-    from exp.run_dir import run_state
+    from exp.run.dirs import run_state
 
     killed = fake_run(tmp_path / "killed", status="running")
     (killed / ".lock").touch()  # it ran with a lock, and no process holds it now

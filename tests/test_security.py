@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from exp.config import ConfigError, ModelConfig
-from exp.overrides import check_command_line
-from exp.security import REDACTED, redact_override
+from exp.core.config import ConfigError, ModelConfig
+from exp.run.overrides import check_command_line
+from exp.run.security import REDACTED, redact_override
 from exp.train import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,22 +250,22 @@ HOSTILE = [
     # Attribute paths through an allowed module reach anything that module imported.
     (["+hydra.callbacks.x._target_=exp.train.os.symlink"], "exp.train.os is module os"),
     (["+hydra.callbacks.x._target_=exp.train.os.system"], "exp.train.os is module os"),
-    (["+hydra.callbacks.x._target_=exp.security.importlib.import_module"], "is module importlib"),
+    (["+hydra.callbacks.x._target_=exp.run.security.importlib.import_module"], "is module importlib"),
     (["+hydra.callbacks.x._target_=exp.train.sys.modules"], "is module sys"),
     (["+hydra.callbacks.x._target_=exp.train.Path"], "defined in pathlib"),
-    (["+hydra.callbacks.x._target_=exp.security.Callback"], "defined in hydra.experimental.callback"),
-    (["+hydra.callbacks.x._target_=exp.launch.subprocess.Popen"], "is module subprocess"),
+    (["+hydra.callbacks.x._target_=exp.run.security.Callback"], "defined in hydra.experimental.callback"),
+    (["+hydra.callbacks.x._target_=exp.training.launch.subprocess.Popen"], "is module subprocess"),
     # exp's own functions are not callbacks (write_json would write any file it is given).
-    (["+hydra.callbacks.x._target_=exp.run_dir.write_json"], "which is not a Hydra callback"),
-    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.__class__"], "defined in builtins"),
-    (["+hydra.callbacks.x._target_=exp.sweep.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.run.dirs.write_json"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.run.sweep.SweepStatus.__class__"], "defined in builtins"),
+    (["+hydra.callbacks.x._target_=exp.run.sweep.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
     (["+hydra.callbacks.x._target_=exp.${oc.env:HOME}"], "may not be an interpolation"),
     (["+hydra.callbacks.x._target_=builtins.eval"], "it would import module builtins"),
     (["+hydra.callbacks.x._target_=exp..train"], "not a dotted Python name"),
     (["+hydra.callbacks.x._target_=exp.no_such_module.X"], "cannot be imported"),
     (["hydra.launcher._target_=hydra_plugins.exp_gpu_launcher.launcher.subprocess.Popen"], "is module subprocess"),
     (["hydra.launcher._target_=hydra._internal.utils._locate"], "module hydra._internal.utils"),
-    (["hydra.sweeper._target_=exp.sweep.SweepStatus"], "it would import module exp;"),
+    (["hydra.sweeper._target_=exp.run.sweep.SweepStatus"], "it would import module exp;"),
     (["+hydra.callbacks.x.inner._target_=exp.train.os.system"], "is module os"),  # nested: instantiated first
     (["+model.arch._target_=os.system"], "it would import module os"),
     # logging.config: handler classes and factories, ext:// imports, log files outside the run directory.
@@ -345,11 +345,11 @@ def test_an_attribute_path_through_exp_creates_nothing(tmp_path: Path):
 def test_the_allowed_callables_resolve_to_what_hydra_would_build():
     from hydra._internal.utils import _locate
 
-    from exp.security import CALLBACK, HANDLER, LAUNCHER, SAMPLER, locate
+    from exp.run.security import CALLBACK, HANDLER, LAUNCHER, SAMPLER, locate
 
     for name, slot in [
-        ("exp.sweep.SweepStatus", CALLBACK),
-        ("exp.security.RunRecord", CALLBACK),
+        ("exp.run.sweep.SweepStatus", CALLBACK),
+        ("exp.run.security.RunRecord", CALLBACK),
         ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", LAUNCHER),
         ("hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher", LAUNCHER),
         ("optuna.samplers.TPESampler", SAMPLER),
@@ -389,7 +389,7 @@ def test_the_project_configs_pass_the_allow_list(tmp_path: Path, monkeypatch: py
 
 
 def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
-    from exp.run_dir import release_runs
+    from exp.run.dirs import release_runs
     from exp.train import claim_pinned_run_dir
 
     monkeypatch.chdir(tmp_path)
@@ -409,12 +409,12 @@ def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypat
 
 
 def test_trust_remote_code_warns_naming_the_repository(tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    from exp.model import resolve_checkpoint
+    from exp.model.build import resolve_checkpoint
 
     local = tmp_path / "my-model"
     local.mkdir()
     (local / "config.json").write_text("{}")
-    with caplog.at_level(logging.WARNING, logger="exp.model"):
+    with caplog.at_level(logging.WARNING, logger="exp.model.build"):
         resolve_checkpoint(ModelConfig(path=str(local)))
         resolve_checkpoint(ModelConfig(hub_id="someone/remote-model"))
         assert caplog.records == []  # off by default: silent
@@ -482,7 +482,7 @@ def test_weights_are_safetensors(secret_run):
     from omegaconf import OmegaConf
     from safetensors import safe_open
 
-    from exp.model import resolve_checkpoint
+    from exp.model.build import resolve_checkpoint
 
     run_dir, _, _ = secret_run
     adapter = run_dir / "adapter"

@@ -24,12 +24,12 @@ import pytest
 import torch
 from conftest import SHORT
 
-import exp.data
-import exp.module
+import exp.data.datamodule
 import exp.train
-from exp.module import QLoRAModule
-from exp.signals import REQUEUE_EXIT, Preempted
+import exp.training.module
 from exp.train import run
+from exp.training.module import QLoRAModule
+from exp.training.signals import REQUEUE_EXIT, Preempted
 
 RUNNER = Path(__file__).with_name("signal_run.py")
 # Few steps, checkpoints every 2 (so that the last step, 5, is not one of them), no W&B.
@@ -72,9 +72,15 @@ def fiftieth_row():
 
 # where, the signal, the phase the message names (and, for tokenising: the rows are new, not read from the cache)
 BEFORE_TRAINING = [
-    ("data", exp.data, "build_datamodule", signal.SIGINT, "data preparation"),  # Ctrl-C: preempted, not failed
-    ("tokenising", exp.data, "_encode_row", signal.SIGTERM, "data preparation"),
-    ("model", exp.module, "build_model", signal.SIGHUP, "model build"),  # a closed terminal
+    (
+        "data",
+        exp.data.datamodule,
+        "build_datamodule",
+        signal.SIGINT,
+        "data preparation",
+    ),  # Ctrl-C: preempted, not failed
+    ("tokenising", exp.data.datamodule, "_encode_row", signal.SIGTERM, "data preparation"),
+    ("model", exp.training.module, "build_model", signal.SIGHUP, "model build"),  # a closed terminal
     ("step-0", QLoRAModule, "validation_step", signal.SIGUSR1, "the step-0 validation"),
 ]
 
@@ -94,7 +100,7 @@ def test_a_signal_before_training_marks_the_run_preempted(tmp_path, monkeypatch,
     assert record["status"] == "preempted" and f"stopped by {name} during {phase}" in record["error"]
     assert not (tmp_path / "run" / "adapter").exists()
     assert not list(Path(os.environ["EXP_CACHE"]).rglob("*.partial")), "a half-built cache entry was left behind"
-    assert signal.getsignal(signal.SIGINT) != exp.signals.GUARD._handle  # run() restored the handlers
+    assert signal.getsignal(signal.SIGINT) != exp.training.signals.GUARD._handle  # run() restored the handlers
 
 
 def test_ctrl_c_during_training_checkpoints_at_the_next_step(tmp_path, monkeypatch):
@@ -135,7 +141,7 @@ def test_a_signal_while_the_results_are_saved_lets_the_run_complete(tmp_path, mo
 def test_a_failure_after_a_signal_is_a_preemption(tmp_path, monkeypatch):
     """A signal sent to the whole process group also ends the DataLoader workers, and the next batch fails: the run
     is marked preempted (the signal stopped it), not failed."""
-    from exp.signals import GUARD
+    from exp.training.signals import GUARD
 
     real = QLoRAModule.training_step
 

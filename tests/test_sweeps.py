@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exp.sweep import job_groups
+from exp.run.sweep import job_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -196,9 +196,9 @@ def test_a_relaunched_study_with_the_same_settings_reuses_every_trial(optuna_stu
 def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp_path):
     from conftest import compose_typed
 
-    from exp.config import ConfigError
-    from exp.run_dir import write_status
-    from exp.sweep import SweepConflict, earlier_result, fingerprint, record_job
+    from exp.core.config import ConfigError
+    from exp.run.dirs import write_status
+    from exp.run.sweep import SweepConflict, earlier_result, fingerprint, record_job
     from exp.train import config_dict
 
     base = config_dict(compose_typed([]))

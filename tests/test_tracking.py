@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import SHORT, compose_typed
 
-from exp.config import ConfigError
-from exp.tracking import REDACTED, redact, resolve_wandb_mode
+from exp.core.config import ConfigError
+from exp.core.secrets import REDACTED, redact
+from exp.run.tracking import resolve_wandb_mode
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKESECRET123", "MY_SERVICE_PASSWORD": "pw_FAKESECRET456"}
 WANDB_SHORT = SHORT + ["logger=wandb", "trainer.max_steps=5", "trainer.val_every_n_steps=5"]
@@ -230,7 +231,7 @@ def test_online_mode_without_credentials_is_a_config_error(no_credentials):
 
 
 def test_auto_mode_with_a_key_but_no_server_is_offline_quickly(no_credentials, monkeypatch: pytest.MonkeyPatch):
-    from exp import tracking
+    from exp.run import tracking
 
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
@@ -293,11 +294,11 @@ def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
 
 def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch, caplog):
     """A GPU image or cluster node without wandb: a warning and the CSV, not a crash; online insists."""
-    import exp.tracking as tracking
-    from exp.config import ConfigError, LoggerConfig, WandbMode
+    import exp.run.tracking as tracking
+    from exp.core.config import ConfigError, LoggerConfig, WandbMode
 
     monkeypatch.setattr(tracking, "wandb_installed", lambda: False)
-    with caplog.at_level("WARNING", logger="exp.tracking"):
+    with caplog.at_level("WARNING", logger="exp.run.tracking"):
         loggers = tracking.build_loggers(LoggerConfig(), tmp_path, "run", {})
     assert [type(lg).__name__ for lg in loggers] == ["AtomicCSVLogger"]
     assert "wandb package is not installed" in caplog.text and "pip install wandb" in caplog.text

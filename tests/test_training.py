@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import SHORT, compose_typed
 
-from exp import memory
-from exp.config import ConfigError
-from exp.data import collate, encode_example
-from exp.model import build_model, build_tokenizer, decoder_layers, resolve_checkpoint
-from exp.synthetic import generate_examples
+from exp.core.config import ConfigError
+from exp.data.datamodule import collate, encode_example
+from exp.data.synthetic import generate_examples
+from exp.hardware import memory
+from exp.model.build import build_model, build_tokenizer, decoder_layers, resolve_checkpoint
 from exp.train import run
 
 compose = compose_typed
@@ -92,7 +92,7 @@ def test_adapter_reloads_with_plain_peft_and_reproduces_logits(short_run):
     plain = logits()
     torch.testing.assert_close(plain, expected[mask], atol=0.1, rtol=0)
     assert (plain.argmax(-1) == expected[mask].argmax(-1)).float().mean() > 0.99
-    # With the kernel training used (what exp.model selects), the reload is exact.
+    # With the kernel training used (what exp.model.build selects), the reload is exact.
     base2 = plain_nf4_base(cfg)
     for m in base2.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
@@ -112,8 +112,8 @@ def test_one_framework_step_matches_hand_written_loop(tmp_path):
     from peft import LoraConfig, get_peft_model
     from torch.utils.data import DataLoader
 
-    from exp.module import QLoRAModule
-    from exp.trainer import build_trainer
+    from exp.training.module import QLoRAModule
+    from exp.training.trainer import build_trainer
 
     cfg = compose(
         [
@@ -215,7 +215,7 @@ def test_checkpoint_layers_recomputes_only_the_first_n_and_the_estimate_counts_t
     # Each layer taken into checkpointing stops saving the same amount (its recompute keeps only its input).
     per_layer = saved[0] - saved[1]
     assert per_layer > 0 and saved[1] - saved[2] == per_layer and saved[2] > saved[4]
-    # exp.memory's per-layer saved bytes for this very batch (4 x 37 tokens, fp32): within 5% of the measurement.
+    # exp.hardware.memory's per-layer saved bytes for this very batch (4 x 37 tokens, fp32): within 5% of the measurement.
     cfg = compose(["lora.dropout=0"])
     kwargs = memory._config_kwargs(cfg) | {"micro_batch_size": 4, "seq_len": 37}
     parts = memory.estimate_memory(memory.config_arch(cfg), **kwargs).details["layer_saved_parts"]["global"]
@@ -247,7 +247,7 @@ def test_two_runs_in_one_process_do_not_leak_state(tmp_path):
 
 
 def test_existing_run_dir_is_never_overwritten(short_run):
-    from exp.run_dir import claim_run_dir
+    from exp.run.dirs import claim_run_dir
 
     claimed = claim_run_dir(short_run.output_dir)
     assert claimed != short_run.output_dir and claimed.name == short_run.output_dir.name + "_1"

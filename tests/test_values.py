@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import compose_typed
 
-from exp.config import ConfigError
+from exp.core.config import ConfigError
 
 PARAM = [torch.nn.Parameter(torch.zeros(2))]
 
@@ -132,8 +132,8 @@ def test_values_at_the_edge_of_each_range_are_accepted_and_run(override: str, li
 
 def test_every_accepted_value_builds_the_trainer_and_the_optimizer():
     """The edge values together: the Lightning Trainer and the optimiser exp builds take them."""
-    from exp.module import build_optimizer
-    from exp.trainer import build_trainer
+    from exp.training.module import build_optimizer
+    from exp.training.trainer import build_trainer
 
     cfg = compose_typed(
         [
@@ -158,8 +158,8 @@ def test_a_nan_is_reported_once_not_once_per_range_check():
 
 
 def test_an_architecture_the_tokenizer_does_not_fit_is_refused_when_built(tmp_path, monkeypatch):
-    from exp.config import ModelFamily
-    from exp.local_models import build_random_checkpoint
+    from exp.core.config import ModelFamily
+    from exp.model.local import build_random_checkpoint
 
     monkeypatch.setenv("EXP_CACHE", str(tmp_path))
     arch = {**compose_typed([]).model.arch, "vocab_size": 10}

@@ -10,11 +10,11 @@ and every process's peak memory is its own) on the same model shape, LoRA settin
 step i is `bench_baseline.token_batch(i, seed, ...)`, labels = inputs, for both sides. The model (random weights
 in the published architecture, `model.random_init=true`) is built once into exp's cache by the first variant.
 
-* `baseline` is exp.bench_baseline: the plain transformers + PEFT + bitsandbytes loop of
+* `baseline` is exp.training.baseline_loop: the plain transformers + PEFT + bitsandbytes loop of
   ../shared/bench/qlora_baseline.py; `baseline prepare=false` etc. switch its levers.
 * `exp` is `python -m exp.train`'s code: the config composed from conf/ (hardware=gpu on a GPU, cpu otherwise) plus
-  the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build_model` in
-  `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of `exp.trainer.build_trainer`
+  the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build.build_model` in
+  `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of `exp.training.trainer.build_trainer`
   with a CSV logger, fed these batches instead of a data module. `exp hardware.loss_impl=hf` etc. add overrides.
 
 Writes <out_dir>/bench-<model>-<seq>x<micro-batch>-<time>.json and .md (after every variant, so an interrupted
@@ -39,9 +39,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from exp.bench_baseline import ALL_PROJECTIONS
-from exp.cli import USAGE_EXIT, Key, Tool, dotted, parse
-from exp.config import ConfigError
+from exp.core.cli import USAGE_EXIT, Key, Tool, dotted, parse
+from exp.core.config import ConfigError
+from exp.training.baseline_loop import ALL_PROJECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dense bf16 matmul throughput an H200 reaches (8192^3 products through PyTorch, measured at 769-798 TFLOP/s):
@@ -170,7 +170,8 @@ class Variant:
         if side not in ("baseline", "exp"):
             raise ValueError(f"variant {text!r}: must start with 'baseline' or 'exp'")
         if side == "baseline":
-            from exp.bench_baseline import BaselineOptions
+            # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+            from exp.training.baseline_loop import BaselineOptions
 
             BaselineOptions.parse(options)  # raises on a bad option, before anything runs
         else:
@@ -216,7 +217,8 @@ def _checkpoint_and_vocab(settings: Settings) -> tuple[str, int, float]:
     """The model's checkpoint dir (built into exp's cache on first use) and its vocabulary size."""
     from transformers import AutoConfig
 
-    from exp.model import resolve_checkpoint
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.model.build import resolve_checkpoint
     from exp.train import compose_config
 
     started = time.perf_counter()
@@ -227,8 +229,9 @@ def _checkpoint_and_vocab(settings: Settings) -> tuple[str, int, float]:
 
 def real_data(settings: Settings):
     """exp's data module for real-data mode: the tokenised examples and the split both sides use."""
-    from exp.data import build_datamodule
-    from exp.model import build_tokenizer
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.data.datamodule import build_datamodule
+    from exp.model.build import build_tokenizer
     from exp.train import compose_config
 
     cfg = compose_config(settings.exp_overrides(), ROOT)
@@ -239,7 +242,8 @@ def real_data(settings: Settings):
 def baseline_real_batches(settings: Settings):
     """The hand-written loop's natural batching of real data: each step `micro_batch` examples in exp's seeded
     epoch order (without length grouping), padded to the longest; the validation split in padded batches of 4."""
-    from exp.data import collate, shuffled_batches
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.data.datamodule import collate, shuffled_batches
 
     cfg, tokenizer, dm = real_data(settings)
     pad = tokenizer.pad_token_id
@@ -255,7 +259,8 @@ def baseline_real_batches(settings: Settings):
 
 
 def run_baseline_worker(settings: Settings, variant: Variant) -> dict[str, Any]:
-    from exp.bench_baseline import BaselineOptions, run_baseline
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.training.baseline_loop import BaselineOptions, run_baseline
 
     checkpoint, _, build_s = _checkpoint_and_vocab(settings)
     batches, val = baseline_real_batches(settings) if settings.data_path else (None, None)
@@ -284,14 +289,15 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from exp.bench_baseline import token_batch
-    from exp.memory import estimate_for_config
-    from exp.model import decoder_layers, quiet_third_party_logs
-    from exp.module import QLoRAModule
-    from exp.preflight import check, format_findings, probe_environment
-    from exp.tracking import build_loggers
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.hardware.memory import estimate_for_config
+    from exp.hardware.preflight import check, format_findings, probe_environment
+    from exp.model.build import decoder_layers, quiet_third_party_logs
+    from exp.run.tracking import build_loggers
     from exp.train import compose_config, config_dict
-    from exp.trainer import build_trainer
+    from exp.training.baseline_loop import token_batch
+    from exp.training.module import QLoRAModule
+    from exp.training.trainer import build_trainer
 
     quiet_third_party_logs()
     checkpoint, vocab, build_s = _checkpoint_and_vocab(settings)
@@ -309,8 +315,9 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     datamodule = None
     if settings.data_path:
-        from exp.data import build_datamodule
-        from exp.model import build_tokenizer
+        # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+        from exp.data.datamodule import build_datamodule
+        from exp.model.build import build_tokenizer
 
         datamodule = build_datamodule(
             cfg.data, build_tokenizer(cfg.model), cfg.hardware.micro_batch_size, 0, cfg.accumulate_grad_batches
@@ -439,7 +446,8 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
     import lightning as L
     import torch
 
-    from exp.bench_baseline import lora_b_norm, lora_fingerprint
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.training.baseline_loop import lora_b_norm, lora_fingerprint
 
     def sync() -> None:
         if cuda:
@@ -874,8 +882,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from exp.memory import config_arch
-    from exp.tracking import _git_state
+    # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
+    from exp.hardware.memory import config_arch
+    from exp.run.tracking import _git_state
     from exp.train import compose_config
 
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,7 +12,7 @@ import importlib.metadata as md
 import platform
 import sys
 
-from exp.cli import Parsed, Tool, run_tool
+from exp.core.cli import Parsed, Tool, run_tool
 
 TOOL = Tool("exp.doctor", __doc__, hydra=True)
 
@@ -57,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _doctor(args: Parsed) -> int:
-    from exp.config import QuantType
-    from exp.loss import planned_loss_impl
-    from exp.memory import estimate_for_config
-    from exp.preflight import PREFLIGHT_EXIT, check, probe_environment
+    # the config stack loads once the arguments have passed their checks
+    from exp.core.config import QuantType
+    from exp.hardware.memory import estimate_for_config
+    from exp.hardware.preflight import PREFLIGHT_EXIT, check, probe_environment
+    from exp.model.loss import planned_loss_impl
     from exp.train import compose_config
 
     cfg = compose_config(args.passed)

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from exp.cli import Key, Tool
-from exp.config import ConfigError, DataConfig, DataFormat
-from exp.inference import (
+from exp.core.cli import Key, Tool
+from exp.core.config import ConfigError, DataConfig, DataFormat
+from exp.data.datamodule import InstructionDataModule, collate, encode_example, load_examples
+from exp.run.dirs import write_json
+from exp.run.inference import (
     RUN_CONFIG_HELP,
     RUN_KEYS,
     VERBOSE_KEY,
@@ -37,7 +39,7 @@ from exp.inference import (
     resolve_run_dir,
     run_cli,
 )
-from exp.run_dir import write_json
+from exp.training.module import response_metrics
 
 TOOL = Tool(
     "exp.evaluate",
@@ -91,7 +93,6 @@ def fields_items(fields: dict[str, str]) -> list[str]:
 
 def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: bool) -> DataLoader:
     """The held-out split exactly as training drew it, or (`whole`) every usable row of the data."""
-    from exp.data import InstructionDataModule, collate, encode_example, load_examples
 
     if not whole:
         return InstructionDataModule(cfg, tokenizer, batch_size).val_dataloader()
@@ -107,7 +108,6 @@ def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: b
 @torch.no_grad()
 def score(model: Any, loader: DataLoader, device: torch.device) -> dict[str, float]:
     """Token-weighted loss, perplexity, token accuracy and exact match, summed as training's validation does."""
-    from exp.module import response_metrics
 
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:

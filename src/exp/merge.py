@@ -36,10 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from exp.cli import Key, Tool
-from exp.config import ConfigError
-from exp.data import IGNORE_INDEX
-from exp.inference import (
+from exp.core.cli import Key, Tool
+from exp.core.config import ConfigError
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import collate, encode_example, load_examples, split_rows
+from exp.model.build import compute_dtype
+from exp.run.dirs import write_json
+from exp.run.inference import (
     MODEL_PATH_HELP,
     RUN_KEYS,
     VERBOSE_KEY,
@@ -55,7 +58,6 @@ from exp.inference import (
     run_cli,
     run_config,
 )
-from exp.run_dir import write_json
 
 BASES = ("dequantized", "original")
 TOOL = Tool(
@@ -93,7 +95,6 @@ def check_out_dir(out: str | None, overwrite: bool) -> Path:
 
 def heldout_batches(cfg, tokenizer, n: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """The first `n` examples of the run's held-out split (the seeded split training validated on)."""
-    from exp.data import collate, encode_example, load_examples, split_rows
 
     _, val_rows = split_rows(load_examples(cfg.data), cfg.data.val_size, cfg.data.seed)
     # Response-only labels whatever the run trained on: the comparison is about answers.
@@ -152,8 +153,6 @@ def restore_tied_embeddings(model) -> str:
 def merge(argv: list[str]) -> dict[str, Any]:
     """Merge, save, reload and compare; returns the parity report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from exp.model import compute_dtype
 
     args = parse_args(argv, TOOL)
     run_dir = resolve_run_dir(args["run"], args["ckpt"], "exp.merge")

@@ -14,8 +14,9 @@ import statistics
 import sys
 from typing import Any
 
-from exp.cli import Key, Parsed, Tool, run_tool
-from exp.data import IGNORE_INDEX, InstructionDataModule
+from exp.core.cli import Key, Parsed, Tool, run_tool
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import InstructionDataModule
 
 DIM, RESET = "\033[2m", "\033[0m"
 TOOL = Tool("exp.preview", __doc__, (Key("n", 3, "training examples to print"),), hydra=True)
@@ -109,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preview(args: Parsed) -> int:
-    from exp.data import build_datamodule
-    from exp.model import build_tokenizer, quiet_third_party_logs
+    # the tokenizer stack loads once the arguments have passed their checks
+    from exp.data.datamodule import build_datamodule
+    from exp.model.build import build_tokenizer, quiet_third_party_logs
     from exp.train import compose_config
 
     cfg = compose_config(args.passed)

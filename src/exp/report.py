@@ -17,9 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exp.cli import Key, Parsed, Tool, run_tool
-from exp.config import ConfigError
-from exp.run_dir import read_status, run_state
+from exp.core.cli import Key, Parsed, Tool, run_tool
+from exp.core.config import ConfigError
+from exp.run.dirs import read_status, run_state
 
 TOOL = Tool(
     "exp.report",

@@ -1,9 +1,9 @@
 """`hydra/launcher=gpus`: run sweep jobs in parallel on one machine, one GPU each.
 
-Each job is a separate `python -m exp.launch job <run dir>` process started with `CUDA_VISIBLE_DEVICES` set to one
+Each job is a separate `python -m exp.training.launch job <run dir>` process started with `CUDA_VISIBLE_DEVICES` set to one
 free GPU; a job starts when a GPU frees up. The launching process never initialises CUDA (GPUs are counted from
 CUDA_VISIBLE_DEVICES or `nvidia-smi -L`). Every job is planned before the first starts, as the default launcher
-plans each (exp.train.plan_sweep_job): a job that completed with the same config is reused, and a job directory
+plans each (exp.training.sweep_job.plan_sweep_job): a job that completed with the same config is reused, and a job directory
 that holds another config stops the launch before anything runs.
 """
 
@@ -65,7 +65,7 @@ class GpuPoolLauncher(Launcher):
             # Here, before the sweeper writes anything: no sweep directory for a launch that cannot run.
             self.devices, where = visible_gpus()
             if not self.devices:
-                from exp.preflight import PREFLIGHT_EXIT
+                from exp.hardware.preflight import PREFLIGHT_EXIT
 
                 print(
                     f"exp: error: hydra/launcher=gpus runs each job on a GPU of its own, and this machine has none to "
@@ -77,7 +77,7 @@ class GpuPoolLauncher(Launcher):
                 sys.exit(PREFLIGHT_EXIT)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from exp.train import plan_sweep_job
+        from exp.training.sweep_job import plan_sweep_job
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(self.config.hydra.sweep.dir)
@@ -111,9 +111,9 @@ class GpuPoolLauncher(Launcher):
     def _run(
         self, i: int, num: int, overrides: list, job_cfg: DictConfig, job, free: "queue.Queue[str]", results: list
     ) -> None:
-        from exp.run_dir import release_run
-        from exp.sweep import final_metric
-        from exp.train import start_sweep_job, sweep_job_result
+        from exp.run.dirs import release_run
+        from exp.run.sweep import final_metric
+        from exp.training.sweep_job import start_sweep_job, sweep_job_result
 
         ret = JobReturn(overrides=overrides, cfg=self.config, hydra_cfg=None)
         ret.status = JobStatus.COMPLETED  # a failed job is recorded in its directory and returns +inf, not raised
@@ -133,7 +133,9 @@ class GpuPoolLauncher(Launcher):
             log.info("job #%d on GPU %s: %s", num, device, " ".join(overrides))
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
             try:
-                rc = subprocess.run([sys.executable, "-m", "exp.launch", "job", str(run_dir)], env=env).returncode
+                rc = subprocess.run(
+                    [sys.executable, "-m", "exp.training.worker", "job", str(run_dir)], env=env
+                ).returncode
             finally:
                 release_run(run_dir)
         finally:

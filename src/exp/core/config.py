@@ -1,0 +1,762 @@
+"""Typed configuration: one dataclass schema per Hydra group, registered in Hydra's ConfigStore.
+
+This module is the single home of defaults and of cross-field validation. YAML files under `conf/` hold only the
+values that differ from these defaults. Keys reuse the names of the library they feed (PEFT's `r`, `alpha`,
+`target_modules`; bitsandbytes' `quant_type`, `double_quant`; Lightning's `max_steps`, `precision`).
+
+Below `exp.train.main`, code receives these dataclasses (via `OmegaConf.to_object`), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from exp.core.secrets import SECRET_NAME
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot work. The message is meant for a person: key, value, fix."""
+
+
+class ModelFamily(str, Enum):
+    gemma = "gemma"
+    gemma2 = "gemma2"
+    gemma3 = "gemma3"
+
+
+class QuantType(str, Enum):
+    nf4 = "nf4"
+    fp4 = "fp4"
+    int8 = "int8"
+    none = "none"
+
+
+class Accelerator(str, Enum):
+    cpu = "cpu"
+    gpu = "gpu"
+    auto = "auto"  # resolved by the preflight from what the machine has
+
+
+class Strategy(str, Enum):
+    single_device = "single_device"  # one process, one device
+    ddp = "ddp"  # one process and one full (4-bit) replica per device, gradients all-reduced
+    fsdp = "fsdp"  # one process per device, weights sharded (4-bit storage in the compute dtype so it can shard)
+    model_parallel = "model_parallel"  # one process, layers spread over all its devices (model larger than one GPU)
+    auto = "auto"  # resolved by the preflight: the best of the above for the machine and the model
+
+
+# Lightning precision strings (kept as strings: OmegaConf matches enums by member name, and these names hold
+# dashes). Only modes that leave the 4-bit weights alone: a "*-true" low precision would cast the quantized modules.
+# "auto": bf16-mixed on GPUs that support it (compute capability >= 8.0), 32-true on the CPU (preflight decides).
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
+# hardware.compile: a bool, or "auto" (the preflight decides).
+COMPILE_CHOICES = (True, False, "auto")
+
+
+class Schedule(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"  # torch.optim.AdamW
+    paged_adamw_32bit = "paged_adamw_32bit"  # bitsandbytes: optimizer state paged to CPU memory under pressure (GPU)
+    paged_adamw_8bit = "paged_adamw_8bit"  # the same with 8-bit state (GPU)
+
+
+class LossImpl(str, Enum):
+    """How the training loss over the vocabulary is computed (the same loss; different memory and speed)."""
+
+    auto = "auto"  # CUDA: liger where liger-kernel imports, else chunked; the CPU: hf (the reference numbers)
+    hf = "hf"  # transformers' own: the full [tokens, vocab] logits, upcast to fp32
+    chunked = "chunked"  # exp.model.loss: a few hundred tokens' logits at a time, pure torch (any device)
+    liger = "liger"  # liger-kernel's fused linear cross-entropy (Triton, CUDA)
+
+
+class NonFinite(str, Enum):
+    stop = "stop"  # stop the run at the first NaN/Inf loss or gradient, naming the step and the last good checkpoint
+    skip = "skip"  # drop that step's update (weights and optimizer state untouched), up to max_skipped_steps in all
+
+
+class DataFormat(str, Enum):
+    synthetic = "synthetic"  # generated, embedded default
+    alpaca = "alpaca"  # {instruction, input, output}
+    prompt_completion = "prompt_completion"  # {prompt, completion}
+    chat = "chat"  # {messages: [{role, content}]}, rendered with the tokenizer's chat template
+    sharegpt = "sharegpt"  # {conversations: [{from, value}]}
+    text = "text"  # {text}: plain text, continued pre-training (every token carries loss)
+    guanaco = "guanaco"  # {text: "### Human: ... ### Assistant: ..."} (oasst1 as used by QLoRA)
+
+
+class BadRows(str, Enum):
+    skip = "skip"  # drop rows with a missing / non-string field, warn with how many and which
+    fail = "fail"  # stop with a ConfigError naming the file and the rows
+
+
+class LengthGrouping(str, Enum):
+    # Sort within each optimiser step: the steps hold the examples of a random order (what a step learns from is
+    # that of plain random batching), its micro-batches hold similar lengths, and the step's loss is the mean over
+    # all of its loss tokens, as if it were one batch.
+    step = "step"
+    # Sort within windows of 50 micro-batches: less padding, but each step's examples are of similar length.
+    window = "window"
+
+
+class LoggerKind(str, Enum):
+    wandb = "wandb"
+    csv = "csv"
+    none = "none"
+
+
+class WandbMode(str, Enum):
+    auto = "auto"  # online only with credentials and a reachable server, else offline; never prompts
+    online = "online"
+    offline = "offline"
+
+
+@dataclass
+class ModelConfig:
+    """Which Gemma to fine-tune and where its weights come from."""
+
+    name: str = "gemma_tiny"
+    family: ModelFamily = ModelFamily.gemma
+    # Hub id (`google/gemma-2b`) used when `path` is unset and `random_init` is false.
+    hub_id: str | None = None
+    # A local directory holding a transformers checkpoint; wins over `hub_id`.
+    path: str | None = None
+    # Build the real architecture from `arch` with random weights (saved once into the local cache, then loaded
+    # through the same 4-bit `from_pretrained` path as real weights). For offline tests and benchmarks.
+    random_init: bool = False
+    # Architecture fields passed to the family's transformers config class when `random_init` is true.
+    arch: dict[str, Any] = field(default_factory=dict)
+    # Gemma 2 needs attention logit softcapping, which plain SDPA lacks: its option file sets "eager".
+    attn_implementation: str = "sdpa"
+    # Gemma is native in transformers: remote code is never needed, so it stays off unless asked for.
+    trust_remote_code: bool = False
+    revision: str | None = None
+    seed: int = 0  # seed of the random weights when `random_init` is true
+
+
+@dataclass
+class QuantizationConfig:
+    """How the frozen base is stored (bitsandbytes). The compute dtype follows `hardware.precision`."""
+
+    quant_type: QuantType = QuantType.nf4
+    double_quant: bool = True
+
+
+@dataclass
+class LoraConfig:
+    """PEFT LoRA settings; names as in `peft.LoraConfig`."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # Full copies trained next to the adapters. Gemma ties `lm_head` to the 256k-row embedding: naming either
+    # here trains (and saves) that whole matrix; a warning says how large.
+    modules_to_save: list[str] = field(default_factory=list)
+    bias: str = "none"
+    init_seed: int = 0  # seed of the adapter initialisation, separate from the data order
+
+
+@dataclass
+class HardwareConfig:
+    """Placement: where and how the steps run. Moving a run to another machine changes only this group."""
+
+    accelerator: Accelerator = Accelerator.cpu
+    # Devices per node; -1: every device this process can see (resolved by the preflight). Never a GPU index:
+    # which GPUs is decided by CUDA_VISIBLE_DEVICES / the scheduler, and each process uses its strategy's device.
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: Strategy = Strategy.single_device
+    precision: str = "32-true"  # one of PRECISIONS
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+    # With gradient_checkpointing: how many decoder layers recompute their activations in the backward pass (the
+    # first N); null: all. Each layer not recomputed saves its share of the recompute (~1/3 of its forward+backward
+    # FLOPs) and keeps its activations instead.
+    checkpoint_layers: int | None = None
+    # GPU, with gradient_checkpointing=true and checkpoint_layers unset: the preflight recomputes only the fewest
+    # layers (possibly none) whose estimated peak (exp.hardware.memory) fits the GPU's free memory with
+    # AUTO_CHECKPOINT_HEADROOM to spare, and prints its choice. An explicit checkpoint_layers is kept.
+    auto_checkpoint_layers: bool = False
+    # GPU: the preflight picks micro_batch_size from the memory estimate (the global batch, and so the optimisation,
+    # stays): the largest divisor of the per-device global batch that fits without recomputing any layer, going no
+    # lower than AUTO_MICRO_BATCH_MIN_TOKENS tokens per micro-batch (below that the fixed per-micro-batch work, e.g.
+    # dequantising every 4-bit weight, dominates); what still does not fit then recomputes the fewest layers
+    # (auto_checkpoint_layers). Recomputing costs ~1/3 of a layer's FLOPs, a smaller micro-batch almost nothing.
+    auto_micro_batch: bool = False
+    # Keep the 4-bit weights of the first N decoder layers also dequantized, in the compute dtype, on their device:
+    # bitsandbytes otherwise dequantizes every weight at each use (forward, recompute and backward of every
+    # micro-batch), and the base weights are frozen, so the copy never goes stale. Same product (F.linear over the
+    # same dequantized weight); costs 2 bytes per weight of each such layer. 4-bit quantization only; not with FSDP.
+    dequantized_layers: int = 0
+    # GPU: the preflight keeps as many layers dequantized as fit in what the micro-batch and checkpointing choices
+    # leave of the budget (never at their expense), and prints its choice. An explicit dequantized_layers is kept.
+    auto_dequantized_layers: bool = False
+    # In the layers with kept dequantized weights: LoRA's B product joins the base product (one GEMM over [W | B]
+    # instead of two products and an addition over the output; exp.model.dequantized). For the projections whose output is
+    # at least as wide as their input (q, k, v, gate, up); the others, and everything else, run as PEFT runs them.
+    # Same sum, other rounding order.
+    fuse_lora: bool = False
+    # Send the tensors the backward needs from outside the recomputed layers (each checkpointed layer's input, the
+    # final norm's and the loss's) to pinned host memory in the forward, and back one by one in the backward. For
+    # micro-batches whose checkpointed inputs alone would fill the GPU; the copies cost time (host link bandwidth).
+    offload_checkpoints: bool = False
+    num_workers: int = 0
+    # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
+    # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
+    loss_impl: LossImpl = LossImpl.auto
+    # torch.optim.AdamW(fused=True): one kernel over all adapter tensors, on CUDA or the CPU (no effect with the
+    # paged bitsandbytes optimisers). Clipping and fp16 loss scaling work with it (exp.training.precision).
+    fused_adamw: bool = True
+    # torch.compile each decoder layer in place (state-dict keys unchanged); the first steps pay the compile time.
+    # true | false | auto (resolved by the preflight: on for a CUDA GPU, off on the CPU). On a GPU the preflight
+    # turns it off (and says so) where Triton is missing or the GPU is older than Volta; a graph that fails to
+    # compile runs eagerly (torch._dynamo's fallback, logged). Typed Any: OmegaConf has no bool-or-"auto" type.
+    compile: Any = False
+    # GPU memory this run may plan for, per device, in GiB (null: the free memory the preflight sees, less
+    # AUTO_CHECKPOINT_HEADROOM). Caps the choices made by memory (auto_checkpoint_layers) and the memory check:
+    # for sharing a GPU, or for matching another program's footprint.
+    memory_budget_gib: float | None = None
+
+
+@dataclass
+class DataConfig:
+    """The examples: where they come from and how they become token ids."""
+
+    format: DataFormat = DataFormat.synthetic
+    # A local JSON / JSONL / CSV / Parquet file (or a directory of them) for file-based formats; relative paths are
+    # resolved against the directory `exp.train` was launched from.
+    path: str | None = None
+    # Or a dataset on the Hugging Face hub (read from the local `datasets` cache when offline), and its split.
+    hub_id: str | None = None
+    split: str = "train"
+    # A separate validation file (same format); when unset, `val_size` is carved from the training data.
+    val_path: str | None = None
+    # Column names, mappable for files that use other names (see docs/data.md for which format reads which).
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    text_field: str = "text"
+    max_seq_len: int = 128
+    # Held-out split: a fraction (< 1) or a number of examples (>= 1), drawn with `seed`.
+    val_size: float = 0.1
+    train_on_prompt: bool = False
+    on_bad_rows: BadRows = BadRows.skip
+    # Concatenate training examples into full max_seq_len rows (no padding, no cross-example attention).
+    packing: bool = False
+    # Without packing: batch examples of similar length (less padding). Off for the synthetic default, whose
+    # examples are all about as long, so its data order (and recorded losses) stay as they are.
+    group_by_length: bool = False
+    # Where examples are sorted by length (see LengthGrouping): within each optimiser step, or across windows of
+    # steps.
+    length_grouping: LengthGrouping = LengthGrouping.step
+    # Size of the generated default dataset (`format=synthetic`).
+    num_examples: int = 4000
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    """The algorithm: steps, optimiser, schedule, batch. Independent of the machine (see `hardware`)."""
+
+    max_steps: int = 1000
+    optimizer: Optimizer = Optimizer.adamw
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    # Linear warmup, as transformers' TrainingArguments.warmup_steps: a whole number of steps (>= 1), or a fraction
+    # of trainer.max_steps (0 < x < 1, rounded up), so that a shortened run or a sweep over max_steps keeps the
+    # schedule's shape instead of warming up for longer than it trains.
+    warmup_steps: float = 0
+    lr_schedule: Schedule = Schedule.constant
+    # Examples per optimiser step across all devices; accumulation = global / (micro x devices x nodes).
+    global_batch_size: int = 8
+    max_grad_norm: float = 1.0
+    val_every_n_steps: int = 50
+    # Validation batches per evaluation (null: the whole held-out split).
+    limit_val_batches: int | None = None
+    # Greedy answers written to <run>/samples.txt (and a W&B table) at every validation, to watch them change:
+    # these instructions in the data's prompt format, or (empty) the first `sample_count` held-out examples.
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_count: int = 3  # 0 (with no sample_prompts): no samples
+    sample_max_new_tokens: int = 24
+    checkpoint_every_n_steps: int = 100
+    # Periodic checkpoints kept (the newest K; `last.ckpt` and the best by val/loss are kept besides).
+    keep_last_checkpoints: int = 3
+    # null: a fresh run. "auto": continue the newest run with this config from its last checkpoint (a fresh run if
+    # there is none). A run directory or a .ckpt file: continue from it.
+    resume: str | None = None
+    # A corrupt or truncated checkpoint stops the resume with an error; true: fall back to the newest intact one.
+    resume_fallback: bool = False
+    on_nonfinite: NonFinite = NonFinite.stop
+    max_skipped_steps: int = 10  # with on_nonfinite=skip: stop once more steps than this were skipped
+    log_every_n_steps: int = 5
+    seed: int = 0
+
+    @property
+    def warmup_step_count(self) -> int:
+        """The warmup in optimiser steps: `warmup_steps` itself, or its fraction of `max_steps` rounded up (and
+        short of the whole run: the last step trains at the peak learning rate, even in a one-step run)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return min(math.ceil(self.warmup_steps * self.max_steps), self.max_steps - 1)
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking. A CSV of every logged metric is written for `wandb` and `csv`."""
+
+    kind: LoggerKind = LoggerKind.wandb
+    project: str = "exp"
+    run_name: str | None = None  # default: <experiment>-<model>-<run dir>; a sweep job: its overrides
+    entity: str | None = None
+    mode: WandbMode = WandbMode.auto
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    log_adapter: bool = False  # upload the final adapter as a W&B artifact
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # Name of the experiment (set by `experiment=` files); becomes a tag and part of the run name.
+    experiment_name: str | None = None
+    # The console shows exp's own lines and warnings; true (or -v) adds the INFO logs of Lightning, transformers and
+    # W&B and the model-loading bars. train.log in the run directory gets everything either way.
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        problems = _validate(self)
+        if problems:
+            raise ConfigError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that each take their own micro-batch: model parallelism spans devices with one process."""
+        return data_parallel_size(self.hardware)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.trainer.global_batch_size // (self.hardware.micro_batch_size * self.data_parallel_size)
+
+
+def data_parallel_size(hw: HardwareConfig) -> int:
+    if hw.strategy in (Strategy.ddp, Strategy.fsdp):
+        return max(hw.devices, 1) * hw.num_nodes
+    return hw.num_nodes
+
+
+def _validate(cfg: TrainConfig) -> list[str]:
+    """Collect every cross-field problem, so one run reports them all at once."""
+    p: list[str] = non_finite_problems(cfg)
+    if p:  # every range check below would report the same keys again, less clearly
+        return p
+    m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
+    if not (m.path or m.hub_id or m.random_init):
+        p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
+    if m.random_init and not m.arch:
+        p.append(f"model.random_init=true needs model.arch (the architecture) but model '{m.name}' has none")
+    p += _secret_keys("model.arch", m.arch)
+    if m.random_init:
+        p += arch_problems(m)
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation}: allowed values are {', '.join(ATTN_IMPLEMENTATIONS)} "
+            "(what transformers and exp's memory estimate support), e.g. model.attn_implementation=sdpa"
+        )
+    elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
+        p.append(
+            f"model.attn_implementation={m.attn_implementation} on the CPU: FlashAttention is a CUDA kernel; use "
+            "e.g. model.attn_implementation=sdpa (or eager)"
+        )
+    if lo.r <= 0:
+        p.append(f"lora.r={lo.r}: the rank must be a positive integer, e.g. lora.r=8")
+    if lo.alpha <= 0:
+        p.append(f"lora.alpha={lo.alpha}: must be positive (PEFT scales the update by alpha / r), e.g. lora.alpha=16")
+    if not 0.0 <= lo.dropout < 1.0:
+        p.append(f"lora.dropout={lo.dropout}: must be in [0, 1), e.g. lora.dropout=0.05")
+    if not lo.target_modules:
+        p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
+    if lo.bias not in ("none", "all", "lora_only"):
+        p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
+    if hw.devices == 0 or hw.devices < -1 or hw.num_nodes < 1:
+        p.append(
+            f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: devices must be >= 1 (or -1 for "
+            "every visible device) and num_nodes >= 1"
+        )
+    if hw.strategy == Strategy.single_device and hw.devices not in (1, -1):
+        p.append(
+            f"hardware.devices={hw.devices} with hardware.strategy=single_device: one process uses one device; for "
+            "several use hardware=ddp (a replica per GPU), hardware=fsdp (sharded) or hardware=model_parallel"
+        )
+    if hw.strategy == Strategy.model_parallel and hw.num_nodes != 1:
+        p.append("hardware.strategy=model_parallel spans the GPUs of one machine: set hardware.num_nodes=1")
+    if hw.accelerator == Accelerator.cpu and hw.strategy in (Strategy.fsdp, Strategy.model_parallel):
+        p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
+    if hw.micro_batch_size < 1:
+        p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+    if hw.compile not in COMPILE_CHOICES:
+        p.append(f"hardware.compile={hw.compile}: allowed values are true, false and auto (on for a CUDA GPU)")
+    if hw.memory_budget_gib is not None and not (hw.memory_budget_gib > 0 and math.isfinite(hw.memory_budget_gib)):
+        p.append(
+            f"hardware.memory_budget_gib={hw.memory_budget_gib}: GiB of GPU memory per device, a positive number "
+            "(e.g. hardware.memory_budget_gib=40), or null for the free memory"
+        )
+    layers = (m.arch or {}).get("num_hidden_layers")
+    if hw.checkpoint_layers is not None and not 0 <= hw.checkpoint_layers <= (layers or hw.checkpoint_layers):
+        p.append(
+            f"hardware.checkpoint_layers={hw.checkpoint_layers}: the number of decoder layers to recompute, from 0 to "
+            f"{layers or 'the number of layers'} (model {m.name}), or null for all"
+        )
+    if not 0 <= hw.dequantized_layers <= (layers or hw.dequantized_layers):
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers}: the number of decoder layers whose 4-bit weights "
+            f"stay dequantized, from 0 to {layers or 'the number of layers'} (model {m.name}); e.g. "
+            "hardware.dequantized_layers=0 (none), or hardware.auto_dequantized_layers=true on a GPU"
+        )
+    if hw.precision not in PRECISIONS:
+        p.append(
+            f"hardware.precision={hw.precision}: allowed values are {', '.join(PRECISIONS)} (a '*-true' low "
+            "precision would cast the 4-bit weights; use the '-mixed' form, e.g. hardware.precision=bf16-mixed)"
+        )
+    elif hw.accelerator == Accelerator.cpu and hw.precision == "16-mixed":
+        p.append(
+            "hardware.precision=16-mixed on the CPU: fp16 with a loss scaler is the fallback for GPUs without bf16, "
+            "and Gemma overflows in fp16; use hardware.precision=32-true (the cpu default) or bf16-mixed"
+        )
+    if hw.accelerator == Accelerator.cpu and hw.loss_impl == LossImpl.liger:
+        p.append(
+            "hardware.loss_impl=liger on the CPU: liger-kernel's fused loss is a Triton (CUDA) kernel; use "
+            "hardware.loss_impl=chunked (exp's own, any device) or auto"
+        )
+    if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
+        p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
+    if hw.strategy == Strategy.fsdp and q.quant_type == QuantType.int8:
+        p.append(
+            "quantization=int8 with hardware.strategy=fsdp: FSDP shards only floating-point tensors, and 8-bit weights "
+            "cannot be stored as floats (4-bit ones can: bnb_4bit_quant_storage). Use quantization=nf4 with "
+            "hardware=fsdp (FSDP-QLoRA), or keep int8 with hardware=ddp"
+        )
+    if hw.offload_checkpoints and not (hw.gradient_checkpointing and hw.checkpoint_layers is None):
+        p.append(
+            "hardware.offload_checkpoints=true sends the inputs of recomputed layers to host memory, so every layer "
+            f"must recompute (hardware.gradient_checkpointing={hw.gradient_checkpointing}, "
+            f"hardware.checkpoint_layers={hw.checkpoint_layers}); set hardware.gradient_checkpointing=true "
+            "hardware.checkpoint_layers=null, or hardware.offload_checkpoints=false"
+        )
+    if hw.dequantized_layers and q.quant_type not in (QuantType.nf4, QuantType.fp4):
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers} with quantization={q.quant_type.value}: only 4-bit "
+            "weights are kept dequantized; use hardware.dequantized_layers=0"
+        )
+    if hw.dequantized_layers and hw.strategy == Strategy.fsdp:
+        p.append(
+            f"hardware.dequantized_layers={hw.dequantized_layers} with hardware.strategy=fsdp: FSDP gathers each "
+            "layer's 4-bit shards for its use and frees them, so no full dequantized copy can stay; use "
+            "hardware.dequantized_layers=0"
+        )
+    p += batch_problems(hw, t)
+    if t.optimizer != Optimizer.adamw and hw.accelerator == Accelerator.cpu:
+        p.append(
+            f"trainer.optimizer={t.optimizer.value} pages optimizer state between GPU and CPU memory and needs a GPU: "
+            "use trainer.optimizer=adamw on the CPU"
+        )
+    if t.max_steps < 1:
+        p.append(
+            f"trainer.max_steps={t.max_steps}: must be >= 1 (optimizer steps to train), e.g. trainer.max_steps=1000"
+        )
+    if t.learning_rate <= 0:
+        p.append(f"trainer.learning_rate={t.learning_rate}: must be positive, e.g. trainer.learning_rate=2e-4")
+    if t.warmup_steps < 0 or (t.warmup_steps >= 1 and t.warmup_steps != int(t.warmup_steps)):
+        p.append(
+            f"trainer.warmup_steps={t.warmup_steps:g}: must be a whole number of steps (>= 1), a fraction of "
+            "trainer.max_steps (0 < x < 1) or 0 (no warmup), e.g. trainer.warmup_steps=10 or trainer.warmup_steps=0.03"
+        )
+    if t.max_grad_norm < 0:
+        p.append(
+            f"trainer.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 disables clipping), e.g. trainer.max_grad_norm=1.0"
+        )
+    for key, value, default in (
+        ("val_every_n_steps", t.val_every_n_steps, 50),
+        ("checkpoint_every_n_steps", t.checkpoint_every_n_steps, 100),
+        ("log_every_n_steps", t.log_every_n_steps, 5),
+    ):
+        if value < 1:
+            p.append(
+                f"trainer.{key}={value}: an interval in optimizer steps, must be >= 1, e.g. trainer.{key}={default}"
+            )
+    if t.keep_last_checkpoints < 1:
+        p.append(
+            f"trainer.keep_last_checkpoints={t.keep_last_checkpoints}: must be >= 1 (the newest is what resumes), e.g. "
+            "trainer.keep_last_checkpoints=3"
+        )
+    if t.max_skipped_steps < 0:
+        p.append(f"trainer.max_skipped_steps={t.max_skipped_steps}: must be >= 0, e.g. trainer.max_skipped_steps=10")
+    if d.format != DataFormat.synthetic and not (d.path or d.hub_id):
+        p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory> or data.hub_id=<name>")
+    if d.max_seq_len < 8:
+        p.append(f"data.max_seq_len={d.max_seq_len}: too short to hold a prompt and a response; use >= 8")
+    if d.val_size <= 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):
+        p.append(
+            f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a whole count >= 1, e.g. data.val_size=0.1"
+        )
+    p += library_range_problems(cfg)
+    return p
+
+
+# Seeds feed numpy (Lightning's seed_everything, which silently replaces a seed outside this range by 0), torch and
+# Python's random: the range all of them take.
+MAX_SEED = 2**32 - 1
+
+
+def non_finite_problems(cfg: Any, path: str = "") -> list[str]:
+    """Every float of the config that is NaN or infinite: no setting of exp means anything there (a NaN compares
+    false with every bound, so range checks alone would let it through)."""
+    import dataclasses
+
+    problems = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += non_finite_problems(value, f"{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value}: must be a finite number, e.g. {key}={getattr(type(cfg)(), f.name)}")
+        elif isinstance(value, dict):  # model.arch: passed to transformers' config class as it is
+            problems += [
+                f"{key}.{k}={v}: must be a finite number; set a real value (e.g. the model's published one) or drop it"
+                for k, v in value.items()
+                if isinstance(v, float) and not math.isfinite(v)
+            ]
+    return problems
+
+
+def library_range_problems(cfg: TrainConfig) -> list[str]:
+    """Ranges the libraries fed by these keys enforce later, with a traceback (torch.optim.AdamW, DataLoader,
+    numpy's seeding, Lightning's Trainer, W&B's settings): refused here instead, before anything runs."""
+    p: list[str] = []
+    m, lo, hw, d, t, lg = cfg.model, cfg.lora, cfg.hardware, cfg.data, cfg.trainer, cfg.logger
+    for key, beta in (("trainer.adam_beta1", t.adam_beta1), ("trainer.adam_beta2", t.adam_beta2)):
+        if not 0.0 <= beta < 1.0:
+            default = 0.9 if key.endswith("1") else 0.999
+            p.append(f"{key}={beta}: AdamW's betas must be in [0, 1), e.g. {key}={default}")
+    # key, value, the smallest value allowed, an example, what the value is
+    minimums = [
+        ("trainer.weight_decay", t.weight_decay, 0, 0.0, "0: no decay"),
+        ("hardware.num_workers", hw.num_workers, 0, 0, "data-loading processes; 0: load in the training process"),
+        ("trainer.sample_count", t.sample_count, 0, 3, "0: no samples"),
+        ("trainer.sample_max_new_tokens", t.sample_max_new_tokens, 1, 24, "tokens per sample answer"),
+    ]
+    if t.limit_val_batches is not None:  # the step-0 and final evaluations are part of every run
+        minimums.append(("trainer.limit_val_batches", t.limit_val_batches, 1, 10, "or null for the whole split"))
+    if d.format == DataFormat.synthetic:
+        minimums.append(("data.num_examples", d.num_examples, 2, 4000, "one to train on, one held out"))
+    for key, value, least, example, why in minimums:
+        if value < least:
+            p.append(f"{key}={value}: must be >= {least} ({why}), e.g. {key}={example}")
+    for key, seed in (
+        ("trainer.seed", t.seed),
+        ("data.seed", d.seed),
+        ("model.seed", m.seed),
+        ("lora.init_seed", lo.init_seed),
+    ):
+        if not 0 <= seed <= MAX_SEED:
+            p.append(f"{key}={seed}: a seed must be in [0, 2**32 - 1] (numpy's range), e.g. {key}=0")
+    if lg.kind == LoggerKind.wandb:
+        bad = sorted(set(lg.project) & set(WANDB_PROJECT_FORBIDDEN))
+        if not lg.project or len(lg.project) > 128 or bad:
+            p.append(
+                f"logger.project={lg.project!r}: W&B project names are 1 to 128 characters without "
+                f"{' '.join(WANDB_PROJECT_FORBIDDEN)}, e.g. logger.project=exp"
+            )
+        tags = [*lg.tags, *([cfg.experiment_name] if cfg.experiment_name else [])]
+        if long := [tag for tag in tags if not 1 <= len(tag) <= 64]:
+            p.append(f"logger.tags={long}: W&B tags (the experiment name is one) are 1 to 64 characters each")
+    return p
+
+
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+# Attention kernels a model may be loaded with (transformers' names; exp.hardware.memory estimates each).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# Sizes of a random-weight architecture (model.arch) that transformers would take and then fail on with a bare
+# tensor-shape error, or build into a model that cannot train.
+ARCH_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def arch_problems(m: ModelConfig) -> list[str]:
+    """`model.arch` of a random-weight model: positive sizes, an even head size (rotary embeddings rotate pairs of
+    dimensions), query heads in whole groups per key/value head."""
+    p = []
+    for key in ARCH_SIZES:
+        value = m.arch.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            p.append(
+                f"model.arch.{key}={value}: must be a whole number >= 1 (model {m.name}); drop it or set e.g. "
+                f"model.arch.{key}=128"
+            )
+    head_dim, heads, kv = m.arch.get("head_dim"), m.arch.get("num_attention_heads"), m.arch.get("num_key_value_heads")
+    if isinstance(head_dim, int) and head_dim >= 1 and head_dim % 2:
+        p.append(
+            f"model.arch.head_dim={head_dim}: must be even (rotary position embeddings rotate pairs of "
+            f"dimensions), e.g. model.arch.head_dim={head_dim + 1}"
+        )
+    if isinstance(heads, int) and isinstance(kv, int) and heads >= 1 and kv >= 1 and heads % kv:
+        p.append(
+            f"model.arch.num_attention_heads={heads} is not a multiple of model.arch.num_key_value_heads={kv}: "
+            f"each key/value head serves a whole group of query heads, e.g. model.arch.num_key_value_heads=1"
+        )
+    return p
+
+
+def _secret_keys(path: str, node: Any) -> list[str]:
+    """Secret-looking keys in a free-form part of the config: it is recorded in config.yaml and W&B."""
+    if not isinstance(node, dict):
+        return []
+    problems = []
+    for key, value in node.items():
+        if SECRET_NAME.search(str(key)):
+            problems.append(
+                f"{path}.{key}: a secret-looking key in the training config would be recorded in config.yaml and W&B. "
+                "Remove it; pass credentials in the environment (e.g. HF_TOKEN, WANDB_API_KEY)"
+            )
+        problems += _secret_keys(f"{path}.{key}", value)
+    return problems
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """The cross-field checks of the schema, for a config whose values changed after construction (the preflight
+    resolving `auto`)."""
+    return _validate(cfg)
+
+
+def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
+    """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
+    if hw.devices == -1 and hw.strategy in (Strategy.ddp, Strategy.fsdp, Strategy.auto):
+        return []
+    replicas = data_parallel_size(hw)
+    per_step = hw.micro_batch_size * replicas
+    if t.global_batch_size >= 1 and hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1) == 0:
+        return []
+    if 1 <= t.global_batch_size < per_step:
+        fits = [m for m in range(t.global_batch_size // replicas, 0, -1) if t.global_batch_size % (m * replicas) == 0]
+        return [
+            f"hardware.micro_batch_size={hw.micro_batch_size} x data-parallel processes ({replicas}) = {per_step} is "
+            f"larger than trainer.global_batch_size={t.global_batch_size}: one optimizer step cannot take fewer "
+            "examples than one micro-batch per process. Use e.g. "
+            + (f"hardware.micro_batch_size={fits[0]}, or " if fits else "")
+            + f"trainer.global_batch_size={per_step}"
+        ]
+    return [
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of hardware.micro_batch_size "
+        f"({hw.micro_batch_size}) x data-parallel processes ({replicas}) = {per_step}: gradient accumulation is "
+        f"derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
+    ]
+
+
+def register_configs() -> None:
+    """Register the root schema; the YAML files under conf/ are validated against it at composition."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+__all__ = [
+    "Accelerator",
+    "BadRows",
+    "LengthGrouping",
+    "ConfigError",
+    "DataConfig",
+    "DataFormat",
+    "HardwareConfig",
+    "LoggerConfig",
+    "LoggerKind",
+    "LoraConfig",
+    "LossImpl",
+    "ModelConfig",
+    "ModelFamily",
+    "Optimizer",
+    "COMPILE_CHOICES",
+    "PRECISIONS",
+    "QuantType",
+    "QuantizationConfig",
+    "Schedule",
+    "Strategy",
+    "TrainConfig",
+    "TrainerConfig",
+    "WandbMode",
+    "register_configs",
+]
+
+
+def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
+    """Make relative data and model paths absolute against the directory the user launched from; a model.path
+    that holds no checkpoint is refused here, before anything is loaded."""
+    for holder in (cfg.data, cfg.model):
+        if holder.path and not Path(holder.path).expanduser().is_absolute():
+            holder.path = str((launch_dir / holder.path).resolve())
+    if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().is_absolute():
+        cfg.data.val_path = str((launch_dir / cfg.data.val_path).resolve())
+    if cfg.model.path and (problem := model_path_problem(cfg.model.path)):
+        raise ConfigError(problem)
+    return cfg
+
+
+def model_path_problem(path: str) -> str | None:
+    """Why `model.path` cannot be loaded by `from_pretrained`, or None."""
+    where = Path(path).expanduser()
+    if (where / "config.json").is_file():
+        return None
+    found = "" if where.is_dir() else ": the path does not exist" if not where.exists() else ": it is a file"
+    return (
+        f"model.path={path}: no config.json there{found}. Point model.path at a directory written by save_pretrained "
+        "(config.json and the weights), or drop model.path to use model.hub_id."
+    )
+
+
+def schema_fields(cls: type) -> dict[str, Any]:
+    """A dataclass's fields with their resolved types."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def config_key(name: str) -> str | None:
+    """The config key a flag-style name most likely means: a group or top-level key as it is (`model`), a field by
+    its name when one group has it (`max_steps` -> `trainer.max_steps`); None when none or several match."""
+    top = schema_fields(TrainConfig)
+    if name in top:
+        return name
+    matches = [
+        f"{group}.{name}" for group, cls in top.items() if dataclasses.is_dataclass(cls) and name in schema_fields(cls)
+    ]
+    return matches[0] if len(matches) == 1 else None

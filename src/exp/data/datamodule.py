@@ -1,0 +1,701 @@
+"""Examples -> token ids -> batches: sources, tokenisation (cached), masks, splits, batching, the DataModule.
+
+Per-format rendering lives in `exp.data.formats`, packing in `exp.data.packing`; this module does what is common to all
+formats: read the source with `datasets`, encode every row once (cached by fingerprint under the exp cache),
+collect bad rows, carve the validation split, and batch (padded, length-grouped or packed).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from exp.core.cache import cache_dir, ensure_entry
+from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat, LengthGrouping
+from exp.core.constants import IGNORE_INDEX
+from exp.data.files import READERS, diagnose, list_files
+from exp.data.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
+from exp.data.packing import Packed, pack
+from exp.data.synthetic import generate_examples
+
+log = logging.getLogger(__name__)
+# Bump when the encoding changes, so cached tokenisations are not reused.
+ENCODING_VERSION = 1
+# Rows above which tokenisation runs in parallel processes (below, process start-up costs more than it saves).
+PARALLEL_ROWS = 20_000
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Encoded",
+    "InstructionDataModule",
+    "build_datamodule",
+    "collate",
+    "encode_example",
+    "encode_rendered",
+    "format_prompt",
+    "load_examples",
+    "split_rows",
+]
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool = False  # cut at max_seq_len (an empty encoding: its response was cut off entirely)
+
+
+# ---------------------------------------------------------------------------------------------------- encoding
+
+
+def encode_rendered(
+    tokenizer: Any, rendered: Rendered, max_seq_len: int, train_on_prompt: bool
+) -> tuple[Encoded | None, bool]:
+    """Token ids and labels for rendered pieces; (None, truncated) when no response token is left.
+
+    Pieces are tokenised without special tokens (Gemma's tokenizer would add its own `<bos>` to each) and
+    concatenated, so a mask boundary is always a token boundary. `<bos>` is prepended unless the rendering
+    already starts with it (chat templates do): exactly one per sequence. `<eos>` ends the last response of
+    plain formats. Response pieces (and `<eos>`) carry the loss; prompt pieces only with `train_on_prompt`.
+    """
+    ids: list[int] = []
+    is_response: list[bool] = []
+    for text, response in zip(rendered.texts, rendered.response, strict=True):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids += piece
+        is_response += [response] * len(piece)
+    if rendered.add_eos:
+        ids.append(tokenizer.eos_token_id)
+        is_response.append(True)
+    if not ids or ids[0] != tokenizer.bos_token_id:
+        ids.insert(0, tokenizer.bos_token_id)
+        is_response.insert(0, False)
+    if not any(is_response[1:]):
+        raise BadRow("the rendering has no response token (check the template / the response field)")
+    truncated = len(ids) > max_seq_len
+    ids, is_response = ids[:max_seq_len], is_response[:max_seq_len]
+    if not any(is_response[1:]):  # the response is entirely cut off: nothing to learn from
+        return None, True
+    labels = (
+        ids.copy() if train_on_prompt else [t if r else IGNORE_INDEX for t, r in zip(ids, is_response, strict=True)]
+    )
+    return Encoded(ids, labels, truncated), truncated
+
+
+def encode_example(
+    tokenizer: Any, row: dict[str, str], max_seq_len: int, train_on_prompt: bool
+) -> tuple[Encoded | None, bool]:
+    """An Alpaca row {instruction, input, output}: the Alpaca prompt, then the output and `<eos>`."""
+    rendered = Rendered([format_prompt(row["instruction"], row.get("input") or ""), row["output"]], [False, True])
+    return encode_rendered(tokenizer, rendered, max_seq_len, train_on_prompt)
+
+
+def _encode_row(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
+    """`datasets.map` function: one row -> ids, labels and what happened (error / truncated / dropped)."""
+    try:
+        enc, truncated = encode_rendered(
+            tokenizer, render_row(cfg, row, tokenizer), cfg.max_seq_len, cfg.train_on_prompt
+        )
+    except BadRow as e:
+        return {"input_ids": [], "labels": [], "truncated": False, "error": str(e)}
+    if enc is None:
+        return {"input_ids": [], "labels": [], "truncated": True, "error": ""}
+    return {"input_ids": enc.input_ids, "labels": enc.labels, "truncated": truncated, "error": ""}
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    """Rows as a `datasets.Dataset`, a name for messages (the file or hub id) and a stable fingerprint."""
+
+    rows: Any
+    name: str
+    fingerprint: str
+
+
+def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
+    """Read a local file / directory, or a hub dataset (cache first), or generate the synthetic rows."""
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per small map / read is noise; large runs log their counts
+    if cfg.format == DataFormat.synthetic:
+        rows = generate_examples(cfg.num_examples, cfg.seed)
+        digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+        return Source(datasets.Dataset.from_list(rows), "synthetic", digest)
+    if path:
+        files = list_files(path, key)
+        ds = _read_files(files, path, key)
+        stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return Source(ds, path, hashlib.sha256(json.dumps(stamp).encode()).hexdigest())
+    try:
+        ds = datasets.load_dataset(cfg.hub_id, split=cfg.split)
+    except Exception as e:
+        raise ConfigError(
+            f"data.hub_id={cfg.hub_id} (split {cfg.split}): not in the local datasets cache and the hub could not "
+            f"be reached or has no such dataset ({type(e).__name__}: {_short(e)}). Download it once on a connected "
+            "machine (it is then cached under ~/.cache/huggingface/datasets), or save it as JSONL and pass "
+            "data.path=<file>."
+        ) from e
+    return Source(ds, cfg.hub_id, ds._fingerprint)
+
+
+def _read_files(files: list[Path], path: str, key: str):
+    """`datasets` reads the checked files; when it cannot, the files are diagnosed (which file, which line), and a
+    reader that fails on files with nothing wrong gets one more try with its cache entry rebuilt."""
+    import datasets
+
+    builder = READERS[files[0].suffix]
+    # CSV goes through pandas, which would keep a UTF-8 byte-order mark in the first column's name.
+    options = {"encoding": "utf-8-sig"} if builder == "csv" else {}
+
+    def read(**kwargs):
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", cache_dir=str(_cache("datasets")), **kwargs
+        )
+
+    try:
+        return read(**options)
+    except Exception as e:  # datasets raises several types for unreadable files
+        error = e
+    if problem := diagnose(files, key):
+        raise ConfigError(problem) from error
+    try:
+        ds = read(download_mode="force_redownload", **options)
+    except Exception:  # noqa: BLE001 (the first error is the one to report)
+        raise ConfigError(
+            f"{key}={path}: could not be read as {builder.upper()} ({type(error).__name__}: {_short(error)}). "
+            "Check that the file is valid (JSON: one array of objects, or JSONL: one object per line)."
+        ) from error
+    log.warning(
+        "data: reading %s failed (%s: %s) but the files are sound; rebuilt its datasets cache entry under %s",
+        path,
+        type(error).__name__,
+        _short(error),
+        _cache("datasets"),
+    )
+    return ds
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _cache(kind: str) -> Path:
+    d = cache_dir() / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of everything in the tokenizer that changes token ids: vocabulary, merges, template, special ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = [type(tokenizer).__name__, tokenizer.chat_template, tokenizer.bos_token_id, tokenizer.eos_token_id]
+    return hashlib.sha256((vocab + json.dumps(extra, default=str)).encode()).hexdigest()
+
+
+def encoding_fingerprint(cfg: DataConfig, source: Source, tokenizer_fp: str) -> str:
+    """What the encoded rows depend on: the source, the tokenizer and the encoding fields of the config."""
+    fields = ["format", "max_seq_len", "train_on_prompt"] + [k for k in vars(cfg) if k.endswith("_field")]
+    key = {k: str(getattr(cfg, k)) for k in fields}
+    key.update(source=source.fingerprint, tokenizer=tokenizer_fp, v=ENCODING_VERSION)
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):
+    """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized/<fingerprint>/ (an entry of
+    `exp.core.cache`: verified on use, rebuilt when damaged).
+
+    A second run with the same source, tokenizer and encoding fields reads the cache entry and calls no encoder.
+    """
+    ds = source.rows
+    if len(ds) == 0:
+        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
+    missing = [c for c in required_columns(cfg) if c not in ds.column_names]
+    if missing:
+        fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
+        raise ConfigError(
+            f"{source.name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format="
+            f"{cfg.format.value}); the data has columns {ds.column_names}. Map yours with e.g. {fixes}, or pick "
+            "the data.format that matches the file."
+        )
+    import datasets
+
+    fp = encoding_fingerprint(cfg, source, tokenizer_fp)
+
+    def build(tmp: Path) -> None:
+        ds.map(
+            _encode_row,
+            fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
+            remove_columns=ds.column_names,
+            num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
+            cache_file_name=str(tmp / "rows.arrow"),  # one file per process with num_proc: rows_0000N_of_0000M
+            load_from_cache_file=False,
+            new_fingerprint=fp,
+            desc=f"tokenising {source.name}",
+        )
+
+    entry = ensure_entry(_cache("tokenized") / fp, build, f"tokenisation of {source.name}")
+    shards = sorted(entry.glob("rows*.arrow"))
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in shards])
+
+
+def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:
+    """Indices of rows without problems; bad rows are reported (and skipped) or fail, per `data.on_bad_rows`."""
+    errors = encoded["error"]
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        shown = "; ".join(f"row {i}: {e}" for i, e in bad[:10]) + (" ..." if len(bad) > 10 else "")
+        if cfg.on_bad_rows == BadRows.fail or len(bad) == len(errors):
+            fix = (
+                "fix the rows, map the columns (data.<name>_field=...), or pass data.on_bad_rows=skip to drop them"
+                if len(bad) < len(errors)
+                else "no row is usable: check data.format and the column mapping (data.<name>_field=...)"
+            )
+            raise ConfigError(f"{source.name}: {len(bad)} of {len(errors)} rows unusable ({shown}); {fix}")
+        log.warning(
+            "data: skipped %d of %d row(s) of %s (rows %s): %s",
+            len(bad),
+            len(errors),
+            source.name,
+            [i for i, _ in bad[:20]],
+            shown,
+        )
+    return [i for i, e in enumerate(errors) if not e]
+
+
+def load_examples(cfg: DataConfig, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """The usable raw rows of the configured source (bad rows skipped and reported, or failing per config)."""
+    source = read_source(cfg, cfg.path, "data.path")
+    rows = source.rows
+    if len(rows) == 0:
+        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
+    missing = [c for c in required_columns(cfg) if c not in rows.column_names]
+    if missing:
+        raise ConfigError(
+            f"{source.name}: no column {missing[0]!r} ({field_key(cfg, missing[0])}); the data has columns "
+            f"{rows.column_names}. Map yours with e.g. {field_key(cfg, missing[0])}=<column>."
+        )
+    kept, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            if cfg.format not in (DataFormat.chat, DataFormat.sharegpt) or tokenizer is not None:
+                render_row(cfg, row, tokenizer)
+            kept.append(row)
+        except BadRow as e:
+            bad.append((i, str(e)))
+    if bad and (cfg.on_bad_rows == BadRows.fail or not kept):
+        raise ConfigError(f"{source.name}: {len(bad)} rows unusable (rows {[i for i, _ in bad[:20]]}: {bad[0][1]})")
+    if bad:
+        log.warning(
+            "data: skipped %d row(s) of %s (rows %s): %s", len(bad), source.name, [i for i, _ in bad], bad[0][1]
+        )
+    return kept
+
+
+def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """Seeded shuffle, then carve the validation split (a fraction < 1 or a count >= 1)."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_val = int(val_size) if val_size >= 1 else max(1, round(len(rows) * val_size))
+    if n_val >= len(rows):
+        raise ConfigError(
+            f"data.val_size={val_size} leaves no training examples out of {len(rows)} usable rows: lower it "
+            "(a fraction like 0.1 or a count) or give a separate data.val_path"
+        )
+    return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+
+
+def position_limit(tokenizer: Any) -> int | None:
+    """The model's position limit, from the checkpoint the tokenizer came from (its config.json), if known."""
+    source = getattr(tokenizer, "name_or_path", "") or ""
+    config = Path(source) / "config.json"
+    limit = None
+    try:
+        if config.is_file():
+            data = json.loads(config.read_text())
+        else:
+            from transformers import AutoConfig
+
+            data = AutoConfig.from_pretrained(source, local_files_only=True).to_dict()
+        data = data.get("text_config") or data  # multimodal Gemma 3 keeps the text model's fields nested
+        limit = data.get("max_position_embeddings")
+    except Exception:  # a hub id not cached here: the model load reports that; nothing to check against
+        pass
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_limit, int) and tok_limit < 10**7:  # huge values are transformers' "unset" sentinel
+        limit = min(limit, tok_limit) if limit else tok_limit
+    return limit
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+
+
+def collate(examples: list[Encoded | Packed], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row of the batch; padding is masked out and never a label.
+
+    Packed rows get `position_ids` (restarting per example) and no `attention_mask`: transformers then builds
+    the block-diagonal mask from the position restarts (see `exp.data.packing`). Padding in a packed batch forms its
+    own short "sequence" (positions from 0) that no real token attends to.
+    """
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    packed = isinstance(examples[0], Packed)
+    positions = torch.arange(width).repeat(len(examples), 1) if packed else None
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+        if packed:
+            positions[i, :n] = torch.tensor(e.position_ids)
+            positions[i, n:] = torch.arange(width - n)
+    if packed:
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def epoch_rng(seed: int, epoch: int) -> random.Random:
+    """The random source of one epoch's data order: a function of (seed, epoch) only, so any epoch is replayable."""
+    return random.Random(f"exp-data-order-{seed}-{epoch}")
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of full batches in a seeded random order (the last, partial batch is dropped)."""
+    order = list(range(n))
+    epoch_rng(seed, epoch).shuffle(order)
+    return [order[k : k + batch_size] for k in range(0, n - batch_size + 1, batch_size)]
+
+
+def length_grouped_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of full batches of similar-length examples in a seeded random order (less padding than random).
+
+    Shuffle, cut into mega-batches of 50 batches, sort each by length, cut into batches, shuffle the batches; the
+    order depends only on (seed, epoch).
+    """
+    rng = epoch_rng(seed, epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    mega = batch_size * 50
+    batches = []
+    for s in range(0, len(order), mega):
+        group = sorted(order[s : s + mega], key=lambda i: -lengths[i])
+        batches += [group[k : k + batch_size] for k in range(0, len(group), batch_size)]
+    batches = [b for b in batches if len(b) == batch_size]
+    rng.shuffle(batches)
+    return batches
+
+
+def step_sorted_batches(lengths: list[int], micro_batch: int, per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of micro-batches, `per_step` to an optimiser step, sorted by length within each step.
+
+    The steps hold the examples `shuffled_batches` would give them (the same seeded order, cut every
+    `micro_batch * per_step` examples; the last, partial step is dropped), so what a step learns from does not depend
+    on the grouping; inside a step the examples are sorted longest first and cut into its micro-batches.
+    """
+    step = micro_batch * per_step
+    batches = []
+    for group in shuffled_batches(len(lengths), step, seed, epoch):
+        group = sorted(group, key=lambda i: -lengths[i])
+        batches += [group[k : k + micro_batch] for k in range(0, step, micro_batch)]
+    return batches
+
+
+def loss_tokens(e: Encoded | Packed) -> int:
+    """Tokens that carry loss: position t predicts label t + 1, so the first label never counts."""
+    return sum(t != IGNORE_INDEX for t in e.labels[1:])
+
+
+class StepTokens:
+    """Training rows addressed as (index, loss tokens of the index's optimiser step): each micro-batch carries its
+    step's total, from which the module weights the micro-batch's loss (exp.training.module)."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Encoded | Packed, int]:
+        index, step_tokens = key
+        return self.rows[index], step_tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def collate_with_step_tokens(items: list[tuple[Encoded | Packed, int]], pad_id: int) -> dict[str, torch.Tensor]:
+    batch = collate([e for e, _ in items], pad_id)
+    batch["step_loss_tokens"] = torch.tensor(float(items[0][1]))
+    return batch
+
+
+class TrainStream(Sampler[list[int]]):
+    """Every micro-batch one rank trains on, epoch after epoch without end, from any position.
+
+    The global sequence is epoch 0's batches, then epoch 1's, ... (`epoch_batches(e)`, a pure function of e);
+    rank r of w takes global batches r, r + w, r + 2w, ... A run is counted in optimiser steps, not epochs, so the
+    loader never ends (Lightning stops at max_steps) and every optimiser step takes exactly the same number of
+    micro-batches. `start` is how many micro-batches this rank has already trained on: a resumed run passes the
+    count its checkpoint recorded and continues mid-epoch with exactly the batch it would have seen next.
+    """
+
+    def __init__(self, epoch_batches, rank: int = 0, world_size: int = 1, start: int = 0):
+        self.epoch_batches, self.rank, self.world_size, self.start = epoch_batches, rank, world_size, start
+        self.batches_per_epoch = len(epoch_batches(0))
+        if self.batches_per_epoch < world_size:
+            raise ConfigError(
+                f"the training split has {self.batches_per_epoch} full micro-batches per epoch, fewer than the "
+                f"{world_size} data-parallel processes: lower hardware.micro_batch_size or use more data"
+            )
+
+    def position(self, consumed: int) -> tuple[int, int]:
+        """(epoch, batch within the epoch) of the next global batch after `consumed` on this rank."""
+        return divmod(consumed * self.world_size + self.rank, self.batches_per_epoch)
+
+    def __iter__(self):
+        consumed = self.start
+        epoch, cached = -1, []
+        while True:
+            e, i = self.position(consumed)
+            if e != epoch:
+                epoch, cached = e, self.epoch_batches(e)
+            yield cached[i]
+            consumed += 1
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r of w takes examples r, r + w, ...: every example evaluated exactly once across ranks, none repeated
+    (Lightning's DistributedSampler pads with repeats, which would count some examples twice in summed metrics)."""
+
+    def __init__(self, n: int, rank: int = 0, world_size: int = 1):
+        self.indices = list(range(rank, n, world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
+    """Padding fraction and loss-bearing tokens per batch for `batches` (lists of indices into `rows`)."""
+    slots = real = loss = 0
+    for b in batches:
+        lens = [len(rows[i].input_ids) for i in b]
+        slots += max(lens) * len(b)
+        real += sum(lens)
+        loss += sum(loss_tokens(rows[i]) for i in b)
+    return {
+        "padding_fraction": round(1 - real / slots, 4) if slots else 0.0,
+        "loss_tokens_per_batch": round(loss / len(batches), 1) if batches else 0.0,
+        "batches": len(batches),
+    }
+
+
+class InstructionDataModule(L.LightningDataModule):
+    """Tokenised train / validation splits, batched with response-only labels (padded, length-grouped or packed)."""
+
+    def __init__(
+        self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+    ):
+        super().__init__()
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
+        # Micro-batches per optimiser step over all data-parallel ranks (accumulation x ranks).
+        self.step_micro_batches = step_micro_batches
+        limit = position_limit(tokenizer)
+        if limit is not None and cfg.max_seq_len > limit:
+            raise ConfigError(
+                f"data.max_seq_len={cfg.max_seq_len} is above the model's position limit ({limit}, "
+                "max_position_embeddings): positions beyond it were never trained and break the model; use "
+                f"data.max_seq_len={limit} or less"
+            )
+        tokenizer_fp = tokenizer_fingerprint(tokenizer)
+        source = read_source(cfg, cfg.path, "data.path")
+        encoded = encode_source(cfg, source, tokenizer, tokenizer_fp)
+        self.encoded_cache_files = [f["filename"] for f in encoded.cache_files]
+        rows = _as_encoded(encoded)
+        usable = usable_rows(cfg, source, encoded)
+        n_bad = len(rows) - len(usable)
+        if cfg.val_path:
+            val_source = read_source(cfg, cfg.val_path, "data.val_path")
+            val_encoded = encode_source(cfg, val_source, tokenizer, tokenizer_fp)
+            val_rows = _as_encoded(val_encoded)
+            val_usable = usable_rows(cfg, val_source, val_encoded)
+            n_bad += len(val_rows) - len(val_usable)
+            train_split, val_split = [rows[i] for i in usable], [val_rows[i] for i in val_usable]
+        else:
+            train_split, val_split = split_rows([rows[i] for i in usable], cfg.val_size, cfg.seed)
+        self.train_set, train_stats = _keep(train_split)
+        self.val_set, val_stats = _keep(val_split)
+        self.stats: dict[str, Any] = {"train": train_stats, "val": val_stats, "bad_rows": n_bad}
+        if not self.train_set or not self.val_set:
+            raise ConfigError(
+                f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
+                f"(train {len(self.train_set)}, val {len(self.val_set)} kept): raise data.max_seq_len"
+            )
+        self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
+        self.stats["train"].update(self.train_batch_stats())
+        log.info(
+            "data: %d train / %d val examples (%d truncated, %d dropped with no response left, %d bad rows); "
+            "%.1f loss-bearing tokens per train batch, %.1f%% padding%s",
+            len(self.train_set),
+            len(self.val_set),
+            train_stats["truncated"] + val_stats["truncated"],
+            train_stats["dropped"] + val_stats["dropped"],
+            n_bad,
+            self.stats["train"]["loss_tokens_per_batch"],
+            100 * self.stats["train"]["padding_fraction"],
+            f", {len(self.packed)} packed rows" if self.packed is not None else "",
+        )
+
+    def train_batch_stats(self) -> dict[str, float]:
+        """Padding and loss-bearing tokens per batch of one training epoch, as the train loader batches it."""
+        rows = self.packed if self.packed is not None else self.train_set
+        stats = padding_stats(rows, self.train_epoch_batches(0))
+        if self.packed is not None:
+            tokens = sum(len(e.input_ids) for e in self.train_set)
+            stats["packed_rows"] = len(self.packed)
+            stats["packing_efficiency"] = round(tokens / (len(self.packed) * self.cfg.max_seq_len), 4)
+        return stats
+
+    @functools.cached_property
+    def _loss_tokens(self) -> list[int]:
+        return [loss_tokens(e) for e in self.train_set]
+
+    def _lengths(self) -> list[int]:
+        return [len(e.input_ids) for e in self.train_set]
+
+    def majority_token_accuracy(self) -> float:
+        """Accuracy on validation labels of always guessing the most frequent training label: the chance line."""
+        counts: dict[int, int] = {}
+        for e in self.train_set:
+            for t in e.labels:
+                if t != IGNORE_INDEX:
+                    counts[t] = counts.get(t, 0) + 1
+        top = max(counts, key=counts.get)
+        val = [t for e in self.val_set for t in e.labels if t != IGNORE_INDEX]
+        return sum(t == top for t in val) / len(val)
+
+    def _collate(self):
+        return functools.partial(collate, pad_id=self.tokenizer.pad_token_id)
+
+    def resume_at(self, batches_seen: int) -> None:
+        """Start the training stream after `batches_seen` micro-batches (per rank): set by a resumed checkpoint."""
+        self.start_batch = batches_seen
+
+    def _rank(self) -> tuple[int, int]:
+        """This process's data-parallel rank and the number of ranks (0, 1 outside a Trainer)."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    @property
+    def step_weighted(self) -> bool:
+        """Whether micro-batches carry their step's loss-token total (length grouping within steps)."""
+        return self.cfg.group_by_length and self.packed is None and self.cfg.length_grouping == LengthGrouping.step
+
+    def train_epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
+        if self.step_weighted:
+            return step_sorted_batches(
+                self._lengths(), self.micro_batch_size, self.step_micro_batches, self.cfg.seed, epoch
+            )
+        if self.cfg.group_by_length and self.packed is None:
+            return length_grouped_batches(self._lengths(), self.micro_batch_size, self.cfg.seed, epoch)
+        rows = self.packed if self.packed is not None else self.train_set
+        return shuffled_batches(len(rows), self.micro_batch_size, self.cfg.seed, epoch)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full micro-batches in one pass over the training split (all ranks together)."""
+        return len(self.train_epoch_batches(0))
+
+    def _step_token_batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """`train_epoch_batches` with each index paired with its optimiser step's loss tokens (all ranks)."""
+        batches, k, tokens = self.train_epoch_batches(epoch), self.step_micro_batches, self._loss_tokens
+        out = []
+        for s in range(0, len(batches), k):
+            step = batches[s : s + k]
+            total = sum(tokens[i] for b in step for i in b)
+            out += [[(i, total) for i in b] for b in step]
+        return out
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank()
+        weighted = self.step_weighted
+        if weighted and self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"the training split has {len(self.train_set)} examples, fewer than one optimiser step's "
+                f"{self.micro_batch_size * self.step_micro_batches} (trainer.global_batch_size): lower "
+                "trainer.global_batch_size or use more data"
+            )
+        epoch_batches = self._step_token_batches if weighted else self.train_epoch_batches
+        stream = TrainStream(epoch_batches, rank, world, start=getattr(self, "start_batch", 0))
+        rows = self.packed if self.packed is not None else self.train_set
+        return DataLoader(
+            StepTokens(rows) if weighted else rows,
+            batch_sampler=stream,
+            collate_fn=(
+                functools.partial(collate_with_step_tokens, pad_id=self.tokenizer.pad_token_id)
+                if weighted
+                else self._collate()
+            ),
+            num_workers=self.num_workers,
+            # The loader's own generator seeds its workers: iterating it never draws from the global RNG, so a
+            # resumed run's dropout masks (global RNG, restored from the checkpoint) match the uninterrupted run's.
+            generator=torch.Generator().manual_seed(self.cfg.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        # Never packed: validation metrics (exact match) are per example, i.e. per row.
+        rank, world = self._rank()
+        return DataLoader(
+            self.val_set,
+            batch_size=self.micro_batch_size,
+            sampler=ShardSampler(len(self.val_set), rank, world),
+            collate_fn=self._collate(),
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.cfg.seed),
+        )
+
+
+def _as_encoded(encoded) -> list[Encoded]:
+    cols = encoded.to_dict()
+    return [Encoded(*r) for r in zip(cols["input_ids"], cols["labels"], cols["truncated"], strict=True)]
+
+
+def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
+    """Drop rows whose response was truncated away (empty encodings), counting what happened."""
+    kept = [e for e in split if e.input_ids]
+    return kept, {
+        "examples": len(split),
+        "kept": len(kept),
+        "truncated": sum(e.truncated for e in split),
+        "dropped": len(split) - len(kept),
+        "tokens": sum(len(e.input_ids) for e in kept),
+        "loss_tokens": sum(loss_tokens(e) for e in kept),
+    }
+
+
+def build_datamodule(
+    cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+):
+    """The DataModule for `cfg`: reads, checks and tokenises the data (cached), ready for `trainer.fit`.
+
+    `step_micro_batches`: micro-batches per optimiser step over all data-parallel ranks (gradient accumulation x
+    ranks), the unit `data.length_grouping=step` sorts within.
+    """
+    return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers, step_micro_batches)

@@ -1,0 +1,343 @@
+"""Build the trainable model: a (4-bit) Gemma loaded once on a given device, wrapped with PEFT LoRA."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from exp.core.config import (
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    ModelFamily,
+    QuantizationConfig,
+    QuantType,
+    Strategy,
+    TrainConfig,
+    model_path_problem,
+)
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return COMPUTE_DTYPE[precision]
+
+
+def resolve_checkpoint(cfg: ModelConfig) -> str:
+    """Where `from_pretrained` reads from: a local path, a random-weight build in the cache, or a hub id."""
+    if cfg.path:
+        if problem := model_path_problem(cfg.path):
+            raise ConfigError(problem)
+        source = str(Path(cfg.path).expanduser())
+    elif cfg.random_init:
+        # needed on this path only (the random-weight builder; bitsandbytes classes for kept weights)
+        from exp.model.local import build_random_checkpoint
+
+        source = str(build_random_checkpoint(cfg.family, dict(cfg.arch), cfg.seed))
+    else:
+        assert cfg.hub_id is not None  # guaranteed by TrainConfig validation
+        source = cfg.hub_id
+    if cfg.trust_remote_code:
+        _warn_remote_code(source)
+    return source
+
+
+@functools.cache  # once per repository and process: the tokenizer and the model both resolve it
+def _warn_remote_code(source: str) -> None:
+    log.warning(
+        "model.trust_remote_code=true: Python code from '%s' (its modeling / tokenizer files) will be imported and run "
+        "in this process. Gemma is native in transformers and never needs it: set model.trust_remote_code=false "
+        "unless you have read that code.",
+        source,
+    )
+
+
+def build_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = resolve_checkpoint(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise ConfigError(_hub_hint(cfg, source, e)) from e
+    if tok.pad_token_id is None:  # Gemma defines <pad>; a foreign tokenizer may not
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_quantization_config(cfg: QuantizationConfig, dtype: torch.dtype, storage: torch.dtype | None = None):
+    """bitsandbytes settings for `from_pretrained`; None for plain (unquantized) LoRA.
+
+    `storage` packs the 4-bit values into tensors of that dtype instead of uint8: FSDP flattens all parameters of a
+    wrapped layer into one tensor and needs them to share a dtype (issue: "Must flatten tensors with uniform dtype").
+    """
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quant_type == QuantType.none:
+        return None
+    if cfg.quant_type == QuantType.int8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant_type.value,
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=storage or torch.uint8,
+    )
+
+
+def _hub_hint(cfg: ModelConfig, source: str, err: Exception) -> str:
+    return (
+        f"model={cfg.name}: could not load '{source}' ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        "Without network access the hub weights must already be in the local Hugging Face cache; otherwise "
+        "download them elsewhere and pass model.path=<dir>, or build the architecture with random weights "
+        "using model.random_init=true."
+    )
+
+
+def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """Load the frozen base on `device`, quantized as configured. A 4-bit model cannot move after this."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = compute_dtype(cfg.hardware.precision)
+    source = resolve_checkpoint(cfg.model)
+    strategy = cfg.hardware.strategy
+    # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the device (the
+    # widely copied {0: ""} has them swapped). Model parallelism instead spreads the layers over every visible GPU.
+    device_map = layer_device_map(source, cfg) if strategy == Strategy.model_parallel else {"": device}
+    storage = dtype if strategy == Strategy.fsdp else None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            quantization_config=build_quantization_config(cfg.quantization, dtype, storage),
+            device_map=device_map,
+            dtype=dtype,
+            attn_implementation=cfg.model.attn_implementation,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except OSError as e:
+        raise ConfigError(_hub_hint(cfg.model, source, e)) from e
+    _disable_cpu_inference_repacking(model)
+    return model
+
+
+def layer_device_map(source: str, cfg: TrainConfig) -> dict[str, int]:
+    """Model parallelism: decoder layers split evenly over the visible GPUs, in order; the embedding (tied to the
+    head) and everything outside the layers on the first one, where Lightning puts the batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n_gpus = torch.cuda.device_count()
+    config = AutoConfig.from_pretrained(source, revision=cfg.model.revision)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    layers = config.num_hidden_layers
+    per_gpu = -(-layers // n_gpus)
+    device_map: dict[str, int] = {}
+    for name, _ in skeleton.named_children():
+        if name != "model":
+            device_map[name] = 0
+    for name, _ in skeleton.model.named_children():
+        if name != "layers":
+            device_map[f"model.{name}"] = 0
+    for i in range(layers):
+        device_map[f"model.layers.{i}"] = min(i // per_gpu, n_gpus - 1)
+    return device_map
+
+
+def _disable_cpu_inference_repacking(model: nn.Module) -> None:
+    """Keep bitsandbytes' CPU fast path from breaking training.
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a Linear4bit's weight into an inference-only layout the
+    first time it runs in eval mode (a validation pass), and from then on its forward has no autograd: gradients
+    stop flowing through every 4-bit layer, so the adapters below it never train. We evaluate during training,
+    so the repacking must stay off.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def linear_module_names(model: nn.Module) -> set[str]:
+    """Leaf names (`q_proj`, `down_proj`, ...) of the linear layers LoRA can target."""
+    names = set()
+    for full_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(full_name.rsplit(".", 1)[-1])
+    return names
+
+
+def check_lora_targets(model: nn.Module, cfg: LoraConfig) -> None:
+    """Every target name must match a module; PEFT alone only fails when none of them do."""
+    available = linear_module_names(model)
+    unknown = [t for t in cfg.target_modules if t not in available]
+    if unknown:
+        raise ConfigError(
+            f"lora.target_modules={list(cfg.target_modules)}: {unknown} match no linear layer of this model. "
+            f"Available: {sorted(available)}. Use names from that list, e.g. lora.target_modules=[q_proj,v_proj] "
+            "(or lora=all_linear for every projection)"
+        )
+    for name in cfg.modules_to_save:
+        if name in ("lm_head", "embed_tokens"):
+            emb = model.get_input_embeddings().weight
+            size_mb = emb.numel() * 4 / 2**20  # trained in fp32 and saved with the adapter
+            log.warning(
+                "lora.modules_to_save contains '%s': Gemma ties it to the %d x %d embedding, so the adapter "
+                "trains and saves a full copy (~%.0f MB in fp32). Drop it unless you change the vocabulary.",
+                name,
+                emb.shape[0],
+                emb.shape[1],
+                size_mb,
+            )
+
+
+def build_lora_config(cfg: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        modules_to_save=list(cfg.modules_to_save) or None,
+        bias=cfg.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers transformers can checkpoint, in order (GradientCheckpointingLayer instances)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def limit_checkpointed_layers(model: nn.Module, count: int | None) -> None:
+    """Recompute only the first `count` decoder layers (None: all). transformers checks each layer's own
+    `gradient_checkpointing` flag at every forward, so clearing it on a layer makes that layer save its activations
+    as without checkpointing; exp.hardware.memory counts the same split."""
+    if count is None:
+        return
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.gradient_checkpointing = i < count
+
+
+def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """The trainable model: base loaded on `device` + LoRA adapters, in train mode, checkpointing as configured."""
+    from peft import get_peft_model
+
+    device = torch.device(device)
+    model = load_base_model(cfg, device)
+    check_lora_targets(model, cfg.lora)
+    model.config.use_cache = False  # a generation KV cache is dead weight in training (and clashes with checkpointing)
+    if cfg.hardware.gradient_checkpointing:
+        # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        limit_checkpointed_layers(model, cfg.hardware.checkpoint_layers)
+    # The adapter initialisation has its own seed, so the same lora.init_seed gives the same adapters whatever
+    # else consumed random numbers before (data generation, the random-weight build). The adapters are drawn on
+    # the CPU and then moved next to their base layer (PEFT does), so they are the same on every device: Lightning
+    # calls configure_model with the strategy's device as torch's default device, where the draws would come from
+    # that device's generator instead.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(cfg.lora.init_seed)
+        model = get_peft_model(model, build_lora_config(cfg.lora))
+    if cfg.hardware.dequantized_layers:
+        # needed on this path only (the random-weight builder; bitsandbytes classes for kept weights)
+        from exp.model.dequantized import keep_dequantized
+
+        kept = keep_dequantized(
+            decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora
+        )
+        log.info("kept dequantized weights: %d decoder layers, %.2f GiB", cfg.hardware.dequantized_layers, kept / 2**30)
+    if cfg.hardware.strategy == Strategy.fsdp:
+        # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
+        # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
+        dtype = compute_dtype(cfg.hardware.precision)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+    if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
+        compile_decoder_layers(model)
+    # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
+    model.train()
+    return model
+
+
+def compile_decoder_layers(model: nn.Module) -> None:
+    """torch.compile every decoder layer in place (`Module.compile`: parameter names and state-dict keys stay).
+
+    Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all,
+    and gradient checkpointing (applied around each layer's call) stays outside the compiled region.
+    """
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def decoder_layer_class(family: ModelFamily) -> type:
+    """The repeated block of each family: FSDP's wrapping unit."""
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+
+    return {
+        ModelFamily.gemma: GemmaDecoderLayer,
+        ModelFamily.gemma2: Gemma2DecoderLayer,
+        ModelFamily.gemma3: Gemma3DecoderLayer,
+    }[family]
+
+
+def count_parameters(model: nn.Module) -> dict[str, Any]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable": trainable, "total": total}
+
+
+def quiet_third_party_logs(verbose: bool = False) -> None:
+    """Keep the console to what a user acts on (`verbose`: also transformers' INFO lines and loading bars).
+
+    bitsandbytes logs the absence of an optional CPU kernel package; Lightning installs a second console handler
+    (every line would print twice next to Hydra's) and advertises a cloud logger; transformers draws a "Loading
+    weights" bar per model load, which buries the lines around it.
+    """
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_logging.set_verbosity_info()
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lightning_log = logging.getLogger(name)
+        if logging.getLogger().handlers:  # someone (Hydra) already prints and files the root logger
+            for handler in list(lightning_log.handlers):
+                if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                    lightning_log.removeHandler(handler)
+            lightning_log.propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
+    # QLoRAModule counts tokens in this hook and exp's data module has none: there is nothing to choose between.
+    warnings.filterwarnings("ignore", message=".*overridden `on_before_batch_transfer`.*LightningDataModule")
+    # exp.data.datamodule tokenizes up front and collates in memory: loader workers would add processes, not speed
+    # (hardware.num_workers is there for the rare dataset where they help).
+    warnings.filterwarnings("ignore", message=".*does not have many workers which may be a bottleneck")
+    # A continued run writes its checkpoints into its own run directory by design (docs/resume.md).
+    warnings.filterwarnings("ignore", message="The dirpath has changed from")

@@ -1,0 +1,154 @@
+"""Checkpoints the project builds itself: random-weight Gemma architectures and a locally trained tokenizer.
+
+No model hub is needed: `build_random_checkpoint` writes a complete transformers checkpoint (config, safetensors
+weights, tokenizer) into the local cache, once per (family, architecture, seed), and the caller then loads it
+through the very same `from_pretrained` + `BitsAndBytesConfig` path as real Gemma weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exp.core.cache import cache_dir, ensure_entry
+from exp.core.config import ConfigError, ModelFamily
+from exp.data.synthetic import corpus_for_tokenizer
+
+# Gemma's special-token ids (pad 0, eos 1, bos 2, unk 3); the turn markers follow.
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+TOKENIZER_VOCAB = 512
+# Gemma's chat template (user / model turns); `model` is Gemma's name for the assistant role.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Bump when the way checkpoints are built changes, so stale cache entries are not reused.
+BUILD_VERSION = 1
+
+
+def build_tokenizer(out_dir: Path):
+    """Train a small byte-level BPE tokenizer (deterministic) with Gemma's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # Byte-level pieces: any UTF-8 text (a user's Alpaca file too) encodes without unknown tokens.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_for_tokenizer(), trainer=trainer)
+    # Like Gemma's tokenizer: <bos> is prepended when special tokens are requested.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="right",
+    )
+    hf_tok.chat_template = GEMMA_CHAT_TEMPLATE
+    hf_tok.save_pretrained(out_dir)
+    return hf_tok
+
+
+def _config_class(family: ModelFamily):
+    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
+
+    return {
+        ModelFamily.gemma: GemmaConfig,
+        ModelFamily.gemma2: Gemma2Config,
+        ModelFamily.gemma3: Gemma3TextConfig,
+    }[family]
+
+
+def _model_class(family: ModelFamily):
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+
+    return {
+        ModelFamily.gemma: GemmaForCausalLM,
+        ModelFamily.gemma2: Gemma2ForCausalLM,
+        ModelFamily.gemma3: Gemma3ForCausalLM,
+    }[family]
+
+
+def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int) -> Path:
+    """Return a cached checkpoint dir holding `arch` with random weights drawn from `seed` (built on first use).
+
+    `arch` without `vocab_size` gets the local tokenizer's vocabulary (the tiny default); with one, the table has
+    that size and the local tokenizer uses its first ids. The entry is built in a temporary directory renamed into
+    place and verified on every use (`exp.core.cache`): a killed build, two concurrent builders or a damaged file
+    never leave an entry that loads wrong.
+    """
+    key = json.dumps({"family": family.value, "arch": arch, "seed": seed, "v": BUILD_VERSION}, sort_keys=True)
+    name = f"{family.value}-random-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+    def build(tmp: Path) -> None:
+        tokenizer = build_tokenizer(tmp)
+        fields = dict(arch)
+        fields.setdefault("vocab_size", len(tokenizer))
+        if fields["vocab_size"] < len(tokenizer):
+            raise ConfigError(
+                f"model.arch.vocab_size={fields['vocab_size']}: smaller than the local tokenizer's {len(tokenizer)} "
+                f"tokens, whose ids would index past the embedding. Use model.arch.vocab_size={len(tokenizer)} or "
+                "more, or drop it (the tokenizer's size is the default)"
+            )
+        fields.update(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        try:
+            config = _config_class(family)(**fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"model.arch={arch}: transformers' {_config_class(family).__name__} refuses it ({e}). Fix the "
+                "architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+            ) from None
+        # From the config object: arch may leave any of these to the family's defaults.
+        hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or 64
+        n_params_guess = config.vocab_size * hidden + config.num_hidden_layers * (
+            4 * hidden * head_dim * config.num_attention_heads + 3 * hidden * config.intermediate_size
+        )
+        # Large shapes are stored in bf16 (as Google ships them); the tiny default in fp32 for exact CPU tests.
+        dtype = torch.bfloat16 if n_params_guess > 50_000_000 else torch.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        # Drawing billions of random weights takes minutes on a CPU and seconds on a GPU. (The values differ
+        # between the two; the cache key is per machine, so each machine is self-consistent.)
+        build_device = "cuda" if dtype == torch.bfloat16 and torch.cuda.is_available() else "cpu"
+        try:
+            # A private RNG stream: the build must not shift the caller's random state (dropout masks, data order),
+            # or a run that builds the cache would differ from the same run with the cache already filled.
+            with torch.random.fork_rng(devices=[]), torch.device(build_device):
+                torch.manual_seed(seed)
+                if build_device == "cuda":
+                    torch.cuda.manual_seed(seed)
+                try:
+                    model = _model_class(family)(config)
+                except (RuntimeError, ValueError, ZeroDivisionError) as e:  # shapes that do not fit together
+                    raise ConfigError(
+                        f"model.arch={arch}: building {_model_class(family).__name__} failed ({type(e).__name__}: "
+                        f"{e}). Fix the architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+                    ) from None
+        finally:
+            torch.set_default_dtype(previous)
+        model.save_pretrained(tmp, max_shard_size="5GB")
+        (tmp / "exp_build.json").write_text(key + "\n")
+        del model
+        if build_device == "cuda":
+            torch.cuda.empty_cache()
+
+    return ensure_entry(
+        cache_dir() / "models" / name, build, f"model.random_init checkpoint of model.arch (seed {seed})"
+    )

@@ -1,0 +1,66 @@
+"""The typed config of a run: composed from `conf/` as `python -m exp.train` composes it, checked, written into the
+run directory (`config.yaml`) and read back from it. Torch-free: a bad command line never pays for torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
+from exp.core.secrets import secret_value_problems
+from exp.run.dirs import RESUME_RECORD
+from exp.run.overrides import check_cli_overrides
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+register_configs()
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def write_run_config(cfg: TrainConfig, output_dir: Path) -> None:
+    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(config_dict(cfg)))
+
+
+def load_run_config(run_dir: Path) -> TrainConfig:
+    """The typed config a run recorded (what its workers, and a resumed run, train with)."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+def read_resume_record(run_dir: Path) -> dict | None:
+    path = run_dir / RESUME_RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
+
+    cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
+    if problems := secret_value_problems(config_dict(cfg)):
+        raise ConfigError("\n".join(problems))
+    return resolve_paths(cfg, launch_dir)
+
+
+def compose_config(overrides: list[str], launch_dir: Path | None = None) -> TrainConfig:
+    """The typed config `python -m exp.train <overrides>` would run, composed without a run directory.
+
+    Unknown keys, bad values and failed cross-field checks raise one ConfigError (the CLI's messages).
+    """
+
+    problems = check_cli_overrides(overrides)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            dcfg = compose(config_name="train", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e)) from e
+    return to_typed(dcfg, launch_dir or Path.cwd())

@@ -1,0 +1,194 @@
+"""Run directories: claimed fresh (an earlier run's files are never overwritten), locked while in use, marked with
+their status.
+
+A process holds an exclusive lock (`flock`) on the `.lock` file of its run directory for as long as it runs, and on
+the run it continues: `trainer.resume` never picks a run that is running now or being continued by another
+process, and a directory is claimed by taking its lock, so launches started in the same second never share one.
+The operating system drops a process's locks when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from exp.core.config import ConfigError
+from exp.core.constants import LAUNCH_ID_ENV
+from exp.core.secrets import mask_secrets
+
+STATUS_FILE = "status.json"
+RESUME_RECORD = "resume.json"  # in a continued run: the checkpoint and the run it continued
+LOCK_FILE = ".lock"
+_held: dict[Path, int] = {}  # run directory (resolved) -> the open descriptor whose lock this process holds
+# run directory (resolved) -> the directories this process created to claim it (it first, then new parents): only
+# those may be removed again (`discard_run_dir`); a directory that was there before is never removed.
+_created: dict[Path, list[Path]] = {}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: the ranks of a launch share a run dir
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
+    record: dict[str, Any] = {"status": status, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if error:
+        record["error"] = mask_secrets(error)
+    if launch := os.environ.get(LAUNCH_ID_ENV):
+        record["launch"] = launch
+    write_json(run_dir / STATUS_FILE, record)
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """The run's status record; {} when it has none (never started, or not an exp run)."""
+    try:
+        return json.loads((run_dir / STATUS_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def lock_run(run_dir: Path, create: bool = True) -> bool:
+    """Take `run_dir`'s lock for this process, without waiting: True when this process holds it (now or already),
+    False when another process does. `create=False` (a run being continued, whose files are not to be touched)
+    locks its `.lock` only if the run has one, else the directory itself."""
+    key = run_dir.resolve()
+    if key in _held:
+        return True
+    if _shared_launch_rank():
+        return True  # rank 0 of the launch holds the locks for every rank
+    lock = run_dir / LOCK_FILE
+    try:
+        if create or lock.exists():
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        else:
+            fd = os.open(run_dir, os.O_RDONLY)
+    except OSError:
+        return True  # cannot be opened (read-only, someone else's): nothing to coordinate with
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return True  # a file system without locks: nothing to coordinate with
+    _held[key] = fd
+    return True
+
+
+def release_run(run_dir: Path) -> None:
+    if (fd := _held.pop(run_dir.resolve(), None)) is not None:
+        os.close(fd)
+
+
+def release_runs() -> None:
+    """Every lock this process holds (the end of `exp.train.run`, which may be called again in the same process)."""
+    for key in list(_held):
+        release_run(key)
+
+
+def in_use(run_dir: Path) -> bool:
+    """Whether another process holds `run_dir`'s lock (running it, or continuing it)."""
+    if run_dir.resolve() in _held or _shared_launch_rank():
+        return False
+    if not lock_run(run_dir, create=False):
+        return True
+    release_run(run_dir)
+    return False
+
+
+def run_state(run_dir: Path) -> str:
+    """The run's status, with `running` told apart from `interrupted`: a run whose status says running but whose
+    lock no process holds was killed (SIGKILL, a power cut) before it could say so. Its status.json is left as it
+    is (a run's files are never rewritten by another process); a continuation may have finished its work since."""
+    status = read_status(run_dir).get("status", "running")
+    if status == "running" and (run_dir / LOCK_FILE).exists() and not in_use(run_dir):
+        return "interrupted"
+    return status
+
+
+def _shared_launch_rank() -> bool:
+    """A rank other than 0 of a torchrun / SLURM launch: its ranks share one run directory and one resume choice."""
+    return bool(os.environ.get(LAUNCH_ID_ENV)) and os.environ.get("RANK", "0") != "0"
+
+
+def claim_run_dir(path: Path) -> Path:
+    """`path`, or `path_1`, `path_2`, ...: the first that no run has used (no status.json) and that no other process
+    is claiming, created and locked by this process, its status `running`. Atomic: two processes that claim the same
+    path at the same moment get different directories. A directory this process claimed already is returned as is.
+    """
+    candidate, n = path, 0
+    while True:
+        if candidate.resolve() in _held:
+            return candidate
+        made = [d for d in (candidate, *candidate.parents) if not d.exists()]
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"run directory {candidate} cannot be created ({e.strerror or e}). Pass a directory you can write, "
+                "e.g. hydra.run.dir=<a writable path> (or run from a writable directory)."
+            ) from None
+        # A run's directory is left as it is (no lock file added); a free one is locked, then checked again: another
+        # process may have claimed it and written its status in between.
+        if not (candidate / STATUS_FILE).exists() and lock_run(candidate):
+            if not (candidate / STATUS_FILE).exists():
+                write_status(candidate, "running")
+                if made:
+                    _created[candidate.resolve()] = made
+                return candidate
+            release_run(candidate)
+        n += 1
+        candidate = path.with_name(f"{path.name}_{n}")
+
+
+def discard_run_dir(run_dir: Path) -> bool:
+    """Remove a run directory that stopped before it trained (bad input, a failed preflight), so that no half-empty
+    directory is left to look like a run. Only a directory this process created for the run, holding no results
+    (checkpoint, adapter, summary), and not shared with the other ranks of a launch; True when it was removed."""
+    made = _created.pop(run_dir.resolve(), None)
+    if not made or os.environ.get(LAUNCH_ID_ENV):
+        return False
+    if any((run_dir / name).exists() for name in ("checkpoints", "adapter", "summary.json")):
+        return False
+    release_run(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in made[1:]:  # the date directory this run was the first of, if nothing else went there since
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    return True
+
+
+def new_run_dir(root: Path) -> Path:
+    """A fresh `root/<date>/<time>` directory, as Hydra names them."""
+    return claim_run_dir(root / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S"))
+
+
+def shared_launch_id(env: dict[str, str] | None = None) -> str | None:
+    """For one rank of several started by torchrun or SLURM: an id that every rank of this launch computes alike
+    ("" when the launcher gives none); None for a single process (exp's own workers never get here).
+
+    The ranks compose their configs independently, and a time-stamped run directory differs between ranks that
+    start a second apart: the run directory must come from something they share.
+    """
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return None
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is not None:  # torchrun: --standalone draws a uuid, --rdzv-id names it; the default is "none"
+        restart = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        return "" if run_id == "none" else f"torchrun-{run_id[:8]}" + (f"-restart{restart}" if restart else "")
+    if job := env.get("SLURM_JOB_ID"):
+        step, restart = env.get("SLURM_STEP_ID"), int(env.get("SLURM_RESTART_COUNT") or 0)
+        return f"slurm-{job}" + (f".{step}" if step else "") + (f"-restart{restart}" if restart else "")
+    return ""

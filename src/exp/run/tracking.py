@@ -1,0 +1,237 @@
+"""Experiment tracking: the CSV record, W&B (offline unless it can really go online), secret redaction."""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from exp.core.config import ConfigError, LoggerConfig, LoggerKind, WandbMode
+from exp.core.secrets import redact, redact_argv
+from exp.run.dirs import write_json
+
+log = logging.getLogger(__name__)
+
+
+def _wandb_host() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+def _has_wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(urlparse(_wandb_host()).hostname or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def _reachable(url: str, timeout: float = 2.0) -> bool:
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_wandb_mode(cfg: LoggerConfig) -> str:
+    """`online` only with credentials and a server that answers within 2 s; never a login prompt."""
+    if cfg.mode == WandbMode.offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+        return "offline"
+    online_ok = _has_wandb_credentials() and _reachable(_wandb_host())
+    if cfg.mode == WandbMode.online and not online_ok:
+        raise ConfigError(
+            "logger.mode=online: W&B needs an API key (WANDB_API_KEY or `wandb login`) and a reachable server "
+            f"({_wandb_host()}). Set the key, or use logger.mode=auto to fall back to offline and `wandb sync` later."
+        )
+    return "online" if online_ok else "offline"
+
+
+def wandb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id, chosen by exp so that checkpoints can carry it (and a resumed run reuse it).
+
+    W&B's own generator where wandb is installed; otherwise the same form (8 characters of [a-z0-9]), so a run
+    started without wandb and resumed with it still gets one W&B run."""
+    if not wandb_installed():
+        import secrets
+        import string
+
+        alphabet = string.ascii_lowercase + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(8))
+    from wandb.sdk.lib.runid import generate_id
+
+    return generate_id()
+
+
+def build_loggers(
+    cfg: LoggerConfig,
+    output_dir: Path,
+    run_name: str,
+    config: dict[str, Any],
+    experiment: str | None = None,
+    wandb_run_id: str | None = None,
+) -> list:
+    """Lightning loggers for `logger.kind`; all files stay inside `output_dir`.
+
+    `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
+    """
+    from exp.run.csv_record import AtomicCSVLogger  # Lightning's CSVLogger: only once a run builds its loggers
+
+    if cfg.kind == LoggerKind.none:
+        return []
+    loggers: list = [AtomicCSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
+    if cfg.kind == LoggerKind.wandb and not wandb_installed():
+        # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
+        # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
+        if cfg.mode == WandbMode.online:
+            raise ConfigError(
+                "logger.mode=online: the wandb package is not installed in this environment. Install it (pip install "
+                "wandb), or use logger=csv (metrics in csv/metrics.csv) or logger.mode=auto"
+            )
+        log.warning(
+            "logger=wandb: the wandb package is not installed, so metrics go to %s only. pip install wandb for W&B "
+            "tracking, or set logger=csv to silence this",
+            output_dir / "csv" / "metrics.csv",
+        )
+        return loggers
+    if cfg.kind == LoggerKind.wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = resolve_wandb_mode(cfg)
+        os.environ.setdefault("WANDB_SILENT", "true")  # its banner would interleave with the progress bar
+        loggers.append(
+            WandbLogger(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=run_name,
+                group=cfg.group,
+                # The experiment's name joins its tags, so a study's runs can be filtered by recipe.
+                tags=list(dict.fromkeys([*cfg.tags, *([experiment] if experiment else [])])) or None,
+                save_dir=str(output_dir),
+                mode=mode,
+                config=redact(config),
+                log_model=False,
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
+            )
+        )
+        # Lightning passes W&B `anonymous=None`, which wandb (0.2x on) answers with a warning at every run that the
+        # setting has no effect: nothing a user can act on. Left out, W&B's own default applies, as before.
+        getattr(loggers[-1], "_wandb_init", {}).pop("anonymous", None)
+        log.info("W&B: %s run in %s", mode, output_dir / "wandb")
+    return loggers
+
+
+def finish_loggers(loggers: list, ok: bool, preempted: bool = False) -> None:
+    """Close the W&B run even when training failed, so the next run in this process starts clean.
+
+    A preempted run is marked so in W&B (it will continue under the same id).
+    """
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            if wandb.run is not None:
+                if preempted:
+                    wandb.run.mark_preempting()
+                wandb.finish(exit_code=0 if ok else 1)
+
+
+def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> None:
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            artifact = wandb.Artifact(name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model")
+            artifact.add_dir(str(adapter_dir))
+            logger.experiment.log_artifact(artifact)
+
+
+def _git_state(path: Path) -> dict[str, Any]:
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _sha256_files(paths: list[Path]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:  # in chunks: a data file may be larger than memory
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def data_fingerprint(data_cfg: Any) -> str:
+    """What the examples are: the bytes of the data file(s), or the generator's settings for the embedded task."""
+    import hashlib
+
+    if getattr(data_cfg, "path", None) and Path(data_cfg.path).exists():
+        p = Path(data_cfg.path)
+        return "sha256:" + _sha256_files([f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p])
+    key = json.dumps({"format": str(data_cfg.format.value), "n": data_cfg.num_examples, "seed": data_cfg.seed})
+    return "generated:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
+    """Everything needed to tell how a run was made: code, packages, machine, data, tokenizer, command line."""
+    import importlib.metadata as md
+    import platform
+    import sys
+    import tempfile
+
+    import torch
+
+    packages = {}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core", "datasets", "wandb"):
+        try:
+            packages[name] = md.version(name)
+        except md.PackageNotFoundError:
+            packages[name] = None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tok_hash = _sha256_files([f for f in Path(tmp).iterdir() if f.is_file()])
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_initialized() else []
+    )
+    manifest = {
+        "command": [sys.executable, *redact_argv(sys.argv)],
+        "git": _git_state(Path(__file__).resolve().parent),
+        "packages": packages,
+        "python": platform.python_version(),
+        "hardware": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "gpus": gpus,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
+        "data_fingerprint": data_fingerprint(data_cfg),
+        "tokenizer_sha256": tok_hash,
+    }
+    write_json(run_dir / "manifest.json", redact(manifest))

@@ -1,0 +1,421 @@
+"""The LightningModule: a 4-bit Gemma + LoRA, loaded in `configure_model` on the device the strategy chose."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
+from exp.core.constants import IGNORE_INDEX
+from exp.model.build import build_model
+from exp.model.loss import LossChoice, causal_lm_loss, resolve_loss_impl
+from exp.training.faults import NonFiniteError
+from exp.training.fsdp import clean_name
+
+log = logging.getLogger("exp.module")
+
+# Device types torch's fused AdamW has kernels for (and exp tests: CUDA on the GPU machine, the CPU in CI).
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) -> float:
+    """Multiplier of the peak learning rate at optimiser step `step`: linear warmup, then the schedule."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == Schedule.constant:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == Schedule.linear:
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed loss, token hits and exact matches over loss-bearing (response) tokens of a batch.
+
+    Sums, not means, so that metrics over a whole split weight every token (and every example) equally.
+    Exact match is teacher-forced: every response token (and `<eos>`) is the arg-max, which is exactly when
+    greedy decoding reproduces the reference answer.
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE_INDEX
+    loss_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    hits = (shift_logits.argmax(-1) == shift_labels) & mask
+    exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)
+    return {
+        "loss_sum": loss_sum.detach(),
+        "tokens": mask.sum(),
+        "hits": hits.sum(),
+        "exact": exact.sum(),
+        "examples": mask.any(dim=1).sum(),
+    }
+
+
+def step_token_weighted(
+    mean_loss: torch.Tensor, labels: torch.Tensor, step_tokens: torch.Tensor, accumulate: int, world_size: int
+) -> torch.Tensor:
+    """A micro-batch's mean loss re-weighted so that its optimiser step's gradient is that of the mean over all the
+    step's loss tokens (`step_tokens`, over every micro-batch of every rank), whatever each micro-batch holds.
+
+    Lightning divides the returned loss by `accumulate`, and DDP / FSDP average the gradients over `world_size`
+    ranks: the factor undoes both, so the summed contributions are (sum of token losses) / step_tokens.
+    """
+    tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+    return mean_loss * tokens * (accumulate * world_size) / step_tokens
+
+
+def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
+    """`fused`: torch's fused AdamW kernel, taken when every parameter is on a device it has a kernel for."""
+    kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+    if t.optimizer == Optimizer.adamw:
+        if fused and params and all(p.device.type in FUSED_ADAMW_DEVICES for p in params):
+            kwargs["fused"] = True
+        return torch.optim.AdamW(params, **kwargs)
+    import bitsandbytes as bnb
+
+    paged = {
+        Optimizer.paged_adamw_32bit: bnb.optim.PagedAdamW32bit,
+        Optimizer.paged_adamw_8bit: bnb.optim.PagedAdamW8bit,
+    }
+    return paged[t.optimizer](params, **kwargs)
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """Every random state training draws from (dropout: torch's, on the CPU or the GPU), as plain types."""
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _as_tuples(x: Any) -> Any:
+    """random.setstate wants the tuples random.getstate gave (a checkpoint round trip may turn them into lists)."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+class QLoRAModule(L.LightningModule):
+    """Fine-tunes the LoRA adapters of a frozen (4-bit) causal LM.
+
+    The model is built in `configure_model`, which Lightning calls once the strategy has picked the device, so the
+    quantized weights are created where they will be used and never moved. Checkpoints hold only the trainable
+    (adapter) tensors, not the frozen base.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model: torch.nn.Module | None = None
+        # Checkpoints omit the frozen base, so loading them must not demand every key.
+        self.strict_loading = False
+        self.initial_val: dict[str, float] | None = None
+        self.last_val: dict[str, float] = {}
+        self._val_sums: dict[str, torch.Tensor] = {}
+        self._step_started: float | None = None
+        self._step_tokens = 0
+        self._batch_tokens = 0  # real tokens of the next training batch, counted before its transfer
+        self.step_tokens_per_s: list[float] = []
+        # Resume state (saved in every checkpoint under "exp"): micro-batches this rank has trained on (the data
+        # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
+        self.batches_seen = 0
+        self.skipped_steps = 0
+        self.tracking_ids: dict[str, str] = {}
+        self._rng_to_restore: dict[str, Any] | None = None
+        # Any non-finite micro-batch loss since the last optimiser step, kept on the device (no host sync per
+        # micro-batch); read once per optimiser step.
+        self._loss_bad: torch.Tensor | bool = False
+        # Where to go back to after a NaN (train() points it at the run's checkpoints): named in the message.
+        self.last_good_checkpoint: Callable[[], str | None] = lambda: None
+        # The training loss's implementation (hardware.loss_impl resolved for this device and model).
+        self.loss_choice = LossChoice(LossImpl.hf, "not resolved yet")
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning may call this again (fit after validate): load once
+            return
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+        self.model = build_model(self.cfg, device)
+        self.loss_choice = resolve_loss_impl(self.cfg, self.model, device)
+        log.info("training loss: %s (%s)", self.loss_choice.impl.value, self.loss_choice.reason)
+
+    def cpu(self) -> QLoRAModule:
+        """Stay put. Lightning's teardown moves the module to the CPU after `fit`; a quantized model must stay on
+        the device it was loaded on (moving 4-bit weights is what breaks QLoRA runs, and a final evaluation and the
+        replica check follow on the same devices). Move explicitly with `.to("cpu")` if you must."""
+        return self
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step_tokens = batch.pop("step_loss_tokens", None)
+        # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.model.loss).
+        with self._saved_tensors_place():
+            loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
+        value = loss.detach()
+        self._loss_bad = ~torch.isfinite(value) | self._loss_bad
+        self.log("train/loss", value, prog_bar=True)
+        if step_tokens is not None:
+            loss = step_token_weighted(loss, batch["labels"], step_tokens, self.trainer.accumulate_grad_batches,
+                                       self.trainer.world_size)  # fmt: skip
+        return loss
+
+    def _saved_tensors_place(self) -> contextlib.AbstractContextManager:
+        """hardware.offload_checkpoints: what autograd saves outside the recomputed layers (their inputs, the final
+        norm's and the loss's tensors) goes to host memory (pinned on CUDA, so the copies back can overlap); inside a
+        checkpointed layer, checkpointing's own hooks come first and save nothing."""
+        if not self.cfg.hardware.offload_checkpoints:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # After unscaling and before clipping: the norm the clip threshold is compared with.
+        grads = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        # fp16's loss scaler skips steps with inf gradients itself (and lowers the scale): only the loss counts there.
+        check_grads = self.trainer.precision not in ("16-mixed", "16")
+        bad = torch.as_tensor(self._loss_bad, device=norm.device)
+        if check_grads:
+            bad = bad | ~torch.isfinite(norm)
+        bad = bad.float()  # one flag per rank; the only host sync of the step is reading it below
+        self._loss_bad = False
+        if self.trainer.world_size > 1:  # the loss differs per rank; every rank must take the same decision
+            bad = self.trainer.strategy.reduce(bad, reduce_op="max")
+        if bad.item():
+            self._non_finite_step(optimizer)
+            return
+        if grads:
+            self.log("train/grad_norm", norm)
+
+    def _non_finite_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the update (weights and optimizer state untouched) or stop, as trainer.on_nonfinite says."""
+        t, step = self.cfg.trainer, self.trainer.global_step + 1
+        good = self.last_good_checkpoint()
+        where, then = (
+            (f"the last good checkpoint is {good}", f"resume with trainer.resume={good}")
+            if good
+            else ("there is no checkpoint yet", "start again")
+        )
+        if t.on_nonfinite == NonFinite.skip and self.skipped_steps < t.max_skipped_steps:
+            self.skipped_steps += 1
+            # AdamW leaves parameters without a gradient alone, moments included.
+            optimizer.zero_grad(set_to_none=True)
+            self.log("train/skipped_steps", float(self.skipped_steps))
+            log.warning("step %d: NaN/Inf loss or gradients, update skipped (%d so far)", step, self.skipped_steps)
+            return
+        limit = (
+            f" after {self.skipped_steps} skipped steps (trainer.max_skipped_steps={t.max_skipped_steps})"
+            if t.on_nonfinite == NonFinite.skip
+            else ""
+        )
+        raise NonFiniteError(
+            f"step {step}: the loss or the gradients are NaN/Inf{limit}; {where}. Training stopped before the bad "
+            f"update, and no adapter was saved as final. Lower trainer.learning_rate or raise trainer.warmup_steps "
+            f"and {then}, or set trainer.on_nonfinite=skip to drop such steps."
+        )
+
+    def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        # Counted when a batch starts, so a checkpoint written at its end (or after the validation that follows)
+        # counts it as consumed.
+        self.batches_seen += 1
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        self._step_tokens += self._batch_tokens
+
+    def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        # The batch's real tokens are counted here, while it is still on the host: read back from a GPU, the sum
+        # would wait for every kernel queued before it (a host sync per micro-batch).
+        if self.trainer.training:
+            mask = batch.get("attention_mask")
+            # Packed rows carry no attention mask (and no padding): every position is a real token.
+            self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        return batch
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches:
+            return  # mid-accumulation: the optimiser step is not over yet
+        elapsed = time.perf_counter() - self._step_started
+        # Real (non-padding) input tokens per second over the optimiser step just finished.
+        tokens_per_s = self._step_tokens / elapsed
+        self.step_tokens_per_s.append(tokens_per_s)
+        self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+        if self.device.type == "cuda":
+            self.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
+        self._step_started, self._step_tokens = None, 0
+
+    def throughput_summary(self) -> dict[str, float | None]:
+        """Median tokens/s over the steps after the first two (warm-up: allocator, kernels) and peak memory."""
+        timed = self.step_tokens_per_s[2:] or self.step_tokens_per_s
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return {
+            "tokens_per_s_median": round(statistics.median(timed), 1) if timed else None,
+            "peak_memory_gib": round(peak, 2) if peak is not None else None,
+        }
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        # No labels (transformers would compute a second loss over fp32 logits) and no KV cache (nothing is
+        # generated; with a compiled layer the cache's bookkeeping also makes Dynamo recompile).
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = self.model(**inputs, use_cache=False)
+        for k, v in response_metrics(out.logits, batch["labels"]).items():
+            self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
+
+    def on_validation_epoch_end(self) -> None:
+        sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
+        if not sums:
+            return
+        metrics = {
+            "val/loss": float(sums["loss_sum"] / sums["tokens"]),
+            "val/token_accuracy": float(sums["hits"] / sums["tokens"]),
+            "val/exact_match": float(sums["exact"] / sums["examples"]),
+        }
+        self.last_val = metrics
+        if self.trainer.sanity_checking:
+            # The sanity check runs on the untrained adapters: record it as the step-0 evaluation. Lightning
+            # drops metrics logged during the sanity check, so they go to the loggers directly.
+            self.initial_val = metrics
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=0)
+            return
+        for k, v in metrics.items():
+            self.log(k, v, prog_bar=k == "val/loss", sync_dist=False)
+
+    def on_train_start(self) -> None:
+        # Lightning restores the modes modules had before validation; make sure training mode (dropout,
+        # gradient checkpointing) is what the adapters train in, whatever ran before.
+        self.model.train()
+        if self._rng_to_restore is not None:
+            # The last thing before the first resumed step, so no draw in between (loading, setup) shifts it.
+            restore_rng(self._rng_to_restore, self.device)
+            self._rng_to_restore = None
+
+    def configure_optimizers(self):
+        t = self.cfg.trainer
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(t, params, fused=self.cfg.hardware.fused_adamw)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, t.warmup_step_count, t.max_steps, t.lr_schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def placement(self) -> dict[str, Any]:
+        """Where this process's weights live: every device holding a frozen or a trainable parameter."""
+        frozen = sorted({str(p.device) for p in self.model.parameters() if not p.requires_grad})
+        trainable = sorted({str(p.device) for p in self.model.parameters() if p.requires_grad})
+        return {"root_device": str(self.trainer.strategy.root_device), "frozen": frozen, "trainable": trainable}
+
+    def gather_placements(self) -> list[dict[str, Any]]:
+        """Every rank's `placement()` (rank order), for the run summary."""
+        if self.trainer.world_size == 1:
+            return [self.placement()]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(out, self.placement())
+        return out
+
+    def check_replicas_agree(self) -> list[list[float]] | None:
+        """Data-parallel replicas must hold identical adapters: gather a fingerprint of each and compare.
+
+        Returns the per-rank fingerprints (sum and sum of squares of the adapter weights); None with one process or
+        with FSDP (which holds one sharded copy). A mismatch means the ranks trained different models.
+        """
+        if self.trainer.world_size == 1 or self.cfg.hardware.strategy.value == "fsdp":
+            return None
+        weights = [p.detach().double().flatten() for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat(weights)
+        mine = torch.stack([flat.sum(), (flat * flat).sum()])
+        prints = self.trainer.strategy.all_gather(mine).reshape(-1, 2).tolist()
+        if any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for row in prints for a, b in zip(row, prints[0], strict=True)):
+            raise RuntimeError(f"data-parallel replicas hold different adapters (fingerprints per rank: {prints})")
+        return prints
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        if gradient_clip_val and self.cfg.hardware.strategy.value == "fsdp":
+            # Lightning's FSDP precision plugin refuses norm clipping; FSDP's own method computes the norm over
+            # all shards (a per-shard norm would clip each rank differently).
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Plain names: under FSDP the module paths carry wrapper names, the (gathered) checkpoint does not.
+        trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["exp"] = {
+            "batches_seen": self.batches_seen,
+            "skipped_steps": self.skipped_steps,
+            "initial_val": self.initial_val,
+            "tracking_ids": dict(self.tracking_ids),
+            "rng": self._rng_per_rank(),
+        }
+
+    def _rng_per_rank(self) -> list[dict[str, Any]]:
+        """Every rank's random states, in rank order. The ranks' states differ after the first step (each draws
+        dropout masks for its own batch shapes), so each rank must get its own back. Lightning writes checkpoints on
+        every rank at the same point, so the gather is collective-safe."""
+        mine = capture_rng(self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, {k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
+        return gathered
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["exp"]
+        self.batches_seen = state["batches_seen"]
+        self.skipped_steps = state["skipped_steps"]
+        self.initial_val = state["initial_val"]
+        per_rank = state["rng"]
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        if len(per_rank) != world:
+            log.warning(
+                "the checkpoint was written by %d process(es), this run has %d: dropout masks will differ from an "
+                "uninterrupted run",
+                len(per_rank),
+                world,
+            )
+        self._rng_to_restore = per_rank[rank % len(per_rank)]
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None:  # continue the data stream right after the last batch trained on
+            datamodule.resume_at(self.batches_seen)

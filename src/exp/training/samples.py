@@ -1,0 +1,139 @@
+"""Answers to a fixed set of prompts at every validation, so a user can watch them change across steps.
+
+Greedy decoding (deterministic: a change in the text is a change in the model) on rank zero, appended to
+`<run>/samples.txt` and, with the W&B logger, logged as a `samples` table (step, prompt, answer) that grows with
+every validation. The prompts are `trainer.sample_prompts` (instructions, put in the data's prompt format), or by
+default the first `trainer.sample_count` held-out examples, cut where their response begins.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from exp.core.config import DataFormat, Strategy, TrainConfig
+from exp.core.constants import IGNORE_INDEX
+from exp.data.formats import format_prompt
+from exp.model.build import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def build_sample_callbacks(cfg: TrainConfig, output_dir: Path) -> list[L.Callback]:
+    """The sampling callback, or none when sampling is off or cannot run (FSDP: no rank holds whole weights)."""
+    t = cfg.trainer
+    if not (t.sample_prompts or t.sample_count) or cfg.hardware.strategy == Strategy.fsdp:
+        return []
+    return [SampleGenerations(cfg, output_dir / "samples.txt")]
+
+
+def prompt_ids_from_heldout(datamodule: Any, count: int) -> list[list[int]]:
+    """The prompt part (ids before the first loss-bearing token) of the first `count` held-out examples."""
+    prompts = []
+    for enc in getattr(datamodule, "val_set", [])[:count]:
+        first = next((i for i, t in enumerate(enc.labels) if t != IGNORE_INDEX), 0)
+        if first > 0 and first < len(enc.input_ids):  # labels on the whole text (train_on_prompt, text format): none
+            prompts.append(enc.input_ids[:first])
+    return prompts
+
+
+def prompt_ids_from_text(cfg: TrainConfig, tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """User prompts as instructions, in the data's prompt format (the chat template for chat data)."""
+
+    out = []
+    for p in prompts:
+        if cfg.data.format in (DataFormat.chat, DataFormat.sharegpt):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [tokenizer.bos_token_id] + tokenizer(format_prompt(p, ""), add_special_tokens=False)["input_ids"]
+        out.append(ids)
+    return out
+
+
+class SampleGenerations(L.Callback):
+    """Greedy answers to fixed prompts after every validation (step 0 included), to a text file and W&B."""
+
+    def __init__(self, cfg: TrainConfig, path: Path):
+        self.cfg, self.path = cfg, path
+        self.prompts: list[list[int]] | None = None
+        self.tokenizer: Any = None
+        self.rows: list[list[Any]] = []  # every (step, prompt, answer) so far: W&B tables are logged whole
+        self.done_steps: set[int] = set()
+
+    def _setup(self, trainer: L.Trainer) -> None:
+        datamodule = trainer.datamodule
+        self.tokenizer = getattr(datamodule, "tokenizer", None)
+        if self.tokenizer is None:
+            self.tokenizer = build_tokenizer(self.cfg.model)
+        t = self.cfg.trainer
+        if t.sample_prompts:
+            self.prompts = prompt_ids_from_text(self.cfg, self.tokenizer, list(t.sample_prompts))
+        else:
+            self.prompts = prompt_ids_from_heldout(datamodule, t.sample_count)
+            if not self.prompts:
+                log.warning(
+                    "samples: no held-out prompt to sample from (the loss covers whole texts); set "
+                    "trainer.sample_prompts=[...] to watch answers, or trainer.sample_count=0 to silence this"
+                )
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        if step in self.done_steps:  # the final trainer.validate repeats the last step's evaluation
+            return
+        if self.prompts is None:
+            self._setup(trainer)
+        if not self.prompts:
+            return
+        self.done_steps.add(step)
+        model = pl_module.model
+        was_training = model.training
+        model.eval()
+        answers = []
+        try:
+            # Eager, even with compiled decoder layers (hardware.compile): decoding with a KV cache changes what the
+            # compiled graphs guard on at every layer and step, and the recompiles would use up Dynamo's cache
+            # (8 graphs per function) that the training steps need.
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                for ids in self.prompts:
+                    answers.append(self._greedy(model, ids, pl_module.device))
+        finally:
+            model.train(was_training)
+        decode = self.tokenizer.decode
+        new_rows = [[step, decode(p, skip_special_tokens=True), a] for p, a in zip(self.prompts, answers, strict=True)]
+        self.rows += new_rows
+        with self.path.open("a") as f:
+            f.write(f"=== step {step} ===\n")
+            for i, (_, prompt, answer) in enumerate(new_rows, 1):
+                # Python literals of the exact texts (the prompt's final newline is part of the prompt format): a
+                # prompt copied from here, after `<bos>`, gets this answer.
+                f.write(f"[{i}] prompt: {prompt!r}\n    answer: {answer!r}\n")
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.log_table(key="samples", columns=["step", "prompt", "answer"], data=self.rows, step=step)
+
+    def _greedy(self, model: Any, ids: list[int], device: torch.device) -> str:
+        tok = self.tokenizer
+        stops = [tok.eos_token_id]
+        turn_end = tok.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(turn_end, int) and turn_end != tok.unk_token_id:
+            stops.append(turn_end)
+        x = torch.tensor([ids], device=device)
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=self.cfg.trainer.sample_max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tok.pad_token_id,
+            use_cache=True,  # training turned the config's cache off; generation wants it
+        )
+        return tok.decode(out[0, x.shape[1] :], skip_special_tokens=True)
