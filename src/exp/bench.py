@@ -40,7 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from exp.core.cli import USAGE_EXIT, Key, Tool, dotted, parse
-from exp.core.config import ConfigError
+from exp.core.config import Accelerator, ConfigError
 from exp.training.baseline_loop import ALL_PROJECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,7 +302,7 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     quiet_third_party_logs()
     checkpoint, vocab, build_s = _checkpoint_and_vocab(settings)
     cfg = compose_config(settings.exp_overrides() + variant.options, ROOT)
-    on_gpu = cfg.hardware.accelerator.value != "cpu"
+    on_gpu = cfg.hardware.accelerator != Accelerator.cpu
     # exp's preflight decides what `python -m exp.train` would: precision, compile, and the checkpointed layers
     # from the memory it may use (hardware.memory_budget_gib, or the free memory). Its memory check's refusal is
     # not applied: running out of memory is a result here (capacity runs), reported as "oom".

@@ -13,6 +13,10 @@ import platform
 import sys
 
 from exp.core.cli import Parsed, Tool, run_tool
+from exp.core.config import Accelerator, QuantType, Strategy
+from exp.hardware.memory import estimate_for_config
+from exp.hardware.preflight import PREFLIGHT_EXIT, check, probe_environment
+from exp.run.compose import compose_config
 
 TOOL = Tool("exp.doctor", __doc__, hydra=True)
 
@@ -57,13 +61,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _doctor(args: Parsed) -> int:
-    # the config stack loads once the arguments have passed their checks
-    from exp.core.config import QuantType
-    from exp.hardware.memory import estimate_for_config
-    from exp.hardware.preflight import PREFLIGHT_EXIT, check, probe_environment
-    from exp.model.loss import planned_loss_impl
-    from exp.train import compose_config
-
     cfg = compose_config(args.passed)
     # The doctor always looks at the GPUs, whatever the config asks for.
     env = probe_environment(check_bitsandbytes=cfg.quantization.quant_type != QuantType.none, need_gpus=True)
@@ -78,13 +75,13 @@ def _doctor(args: Parsed) -> int:
         f"precision={hw.precision} micro_batch_size={hw.micro_batch_size} "
         f"gradient_checkpointing={hw.gradient_checkpointing}"
         f"{f' checkpoint_layers={hw.checkpoint_layers}' if hw.gradient_checkpointing and hw.checkpoint_layers is not None else ''}"
-        f" loss_impl={planned_loss_impl(result.cfg).value} data.max_seq_len={cfg.data.max_seq_len}"
+        f" loss_impl={result.cfg.hardware.loss_impl.value} data.max_seq_len={cfg.data.max_seq_len}"
     )
     for note in result.notes:
         print(f"note: {note}")
-    shards = hw.devices if hw.strategy.value == "fsdp" else 1
+    shards = hw.devices if hw.strategy == Strategy.fsdp else 1
     estimate = estimate_for_config(result.cfg, num_shards=shards)
-    print(f"\n== memory estimate per {'GPU' if hw.accelerator.value == 'gpu' else 'device'} ==")
+    print(f"\n== memory estimate per {'GPU' if hw.accelerator == Accelerator.gpu else 'device'} ==")
     print(estimate.as_table())
     print("\n== verdict ==")
     if result.ok:

@@ -46,7 +46,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from exp.core.config import Accelerator
 from exp.core.constants import CHUNK_LOGIT_BYTES
+from exp.model.loss_plan import plan_loss_impl
 
 GiB = 2**30
 
@@ -575,7 +577,6 @@ def estimate_memory(
 
 def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
     """estimate_memory's arguments for a typed `TrainConfig` (everything but the architecture)."""
-    from exp.model.loss import planned_loss_impl  # torch, but no CUDA call
 
     hw = cfg.hardware
     # "auto" (resolved by the preflight) becomes bf16-mixed on a GPU and 32-true on the CPU.
@@ -591,7 +592,7 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         seq_len=int(cfg.data.max_seq_len),
         gradient_checkpointing=bool(cfg.hardware.gradient_checkpointing),
         checkpoint_layers=cfg.hardware.checkpoint_layers,
-        loss_impl=planned_loss_impl(cfg).value,
+        loss_impl=plan_loss_impl(cfg, on_cuda=cfg.hardware.accelerator != Accelerator.cpu).impl.value,
         compute_bytes=4 if fp32 else 2,
         num_shards=num_shards,
         optimizer=_value(cfg.trainer.optimizer),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from exp.core.config import (
     Accelerator,
+    LossImpl,
     ModelFamily,
     QuantType,
     Strategy,
@@ -36,6 +37,7 @@ from exp.hardware.memory import (
     most_dequantized_layers,
     suggest_micro_batch,
 )
+from exp.model.loss_plan import plan_loss_impl
 
 # Exit status of a run stopped by the preflight (2 is a configuration error, 1 a crash).
 PREFLIGHT_EXIT = 3
@@ -327,6 +329,8 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
         hw.strategy = Strategy.single_device
     if hw.precision == "auto":
         hw.precision = "32-true" if not on_gpu else "bf16-mixed"
+    if hw.loss_impl == LossImpl.auto:  # after the strategy: FSDP keeps transformers' loss
+        hw.loss_impl = plan_loss_impl(cfg, on_cuda=on_gpu).impl
     t = cfg.trainer
     if t.warmup_step_count >= t.max_steps:
         # Only a whole number of warmup steps can outlast the run (a fraction is < 1 of it): what was asked for runs.

@@ -19,22 +19,16 @@ root), `resolve_loss_impl` falls back to `hf` and says why.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exp.core.config import LossImpl, Strategy, TrainConfig
+from exp.core.config import LossImpl, TrainConfig
 from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
+from exp.model.loss_plan import LossChoice, plan_loss_impl
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LossChoice:
-    impl: LossImpl  # hf, chunked or liger: what runs
-    reason: str  # why (a fallback names what was missing)
 
 
 def liger_available() -> str | None:
@@ -58,42 +52,15 @@ def _head_problem(model: nn.Module) -> str | None:
 
 
 def resolve_loss_impl(cfg: TrainConfig, model: nn.Module, device: torch.device) -> LossChoice:
-    """What `hardware.loss_impl` becomes on this device for this model; fallbacks are chosen here and explained."""
-    wanted = cfg.hardware.loss_impl
-    if wanted == LossImpl.hf:
-        return LossChoice(LossImpl.hf, "hardware.loss_impl=hf")
-    if cfg.hardware.strategy == Strategy.fsdp:
-        # The head's weight lives in FSDP's root unit; using it outside the head's forward is not tested.
-        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} is not used with FSDP (not verified)")
-    if problem := _head_problem(model):
-        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} needs a plain head: {problem}")
-    if wanted == LossImpl.chunked:
-        return LossChoice(LossImpl.chunked, "hardware.loss_impl=chunked")
-    if device.type != "cuda":
-        if wanted == LossImpl.liger:
-            return LossChoice(LossImpl.chunked, "hardware.loss_impl=liger needs CUDA: chunked instead")
-        return LossChoice(LossImpl.hf, "hardware.loss_impl=auto on the CPU: transformers' loss (the reference)")
-    missing = liger_available()
-    if missing is None:
-        return LossChoice(LossImpl.liger, f"hardware.loss_impl={wanted.value}: liger-kernel fused linear CE")
-    return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted.value}: {missing}, so exp's chunked loss")
-
-
-def planned_loss_impl(cfg: TrainConfig) -> LossImpl:
-    """What `resolve_loss_impl` will choose, from the resolved config alone (no model, no CUDA call), so the memory
-    estimate can count the loss that will run. Where only the model can tell (a head that is not a plain Linear),
-    the config's own markers of a trained head stand in for it."""
-    import importlib.util
-
-    hw, lora = cfg.hardware, cfg.lora
-    trained_head = "lm_head" in lora.target_modules or "lm_head" in lora.modules_to_save
-    if hw.loss_impl == LossImpl.hf or hw.strategy == Strategy.fsdp or trained_head:
-        return LossImpl.hf
-    if hw.loss_impl == LossImpl.chunked:
-        return LossImpl.chunked
-    if hw.accelerator.value == "cpu":
-        return LossImpl.chunked if hw.loss_impl == LossImpl.liger else LossImpl.hf
-    return LossImpl.liger if importlib.util.find_spec("liger_kernel") is not None else LossImpl.chunked
+    """The loss that runs: the plan for this device (`plan_loss_impl`), unless the loaded model rules it out (a head
+    that is not a plain Linear) or liger-kernel cannot run in this process; each fallback says why."""
+    choice = plan_loss_impl(cfg, on_cuda=device.type == "cuda")
+    wanted = cfg.hardware.loss_impl.value
+    if choice.impl != LossImpl.hf and (problem := _head_problem(model)):
+        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted} needs a plain head: {problem}")
+    if choice.impl == LossImpl.liger and (missing := liger_available()) is not None:
+        return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted}: {missing}, so exp's chunked loss")
+    return choice
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

@@ -15,10 +15,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
+from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, Strategy, TrainConfig, TrainerConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.model.build import build_model
-from exp.model.loss import LossChoice, causal_lm_loss, resolve_loss_impl
+from exp.model.loss import causal_lm_loss, resolve_loss_impl
+from exp.model.loss_plan import LossChoice
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
 
@@ -135,7 +136,14 @@ class QLoRAModule(L.LightningModule):
     (adapter) tensors, not the frozen base.
     """
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tracking_ids: dict[str, str] | None = None,
+        last_good_checkpoint: Callable[[], str | None] | None = None,
+    ):
+        """`tracking_ids`: the tracking runs to continue (W&B's id), saved in every checkpoint.
+        `last_good_checkpoint`: where to go back to after a NaN/Inf step (named in the message); none by default."""
         super().__init__()
         self.cfg = cfg
         self.model: torch.nn.Module | None = None
@@ -152,13 +160,12 @@ class QLoRAModule(L.LightningModule):
         # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
         self.batches_seen = 0
         self.skipped_steps = 0
-        self.tracking_ids: dict[str, str] = {}
+        self.tracking_ids: dict[str, str] = dict(tracking_ids or {})
         self._rng_to_restore: dict[str, Any] | None = None
         # Any non-finite micro-batch loss since the last optimiser step, kept on the device (no host sync per
         # micro-batch); read once per optimiser step.
         self._loss_bad: torch.Tensor | bool = False
-        # Where to go back to after a NaN (train() points it at the run's checkpoints): named in the message.
-        self.last_good_checkpoint: Callable[[], str | None] = lambda: None
+        self.last_good_checkpoint: Callable[[], str | None] = last_good_checkpoint or (lambda: None)
         # The training loss's implementation (hardware.loss_impl resolved for this device and model).
         self.loss_choice = LossChoice(LossImpl.hf, "not resolved yet")
 
@@ -356,7 +363,7 @@ class QLoRAModule(L.LightningModule):
         Returns the per-rank fingerprints (sum and sum of squares of the adapter weights); None with one process or
         with FSDP (which holds one sharded copy). A mismatch means the ranks trained different models.
         """
-        if self.trainer.world_size == 1 or self.cfg.hardware.strategy.value == "fsdp":
+        if self.trainer.world_size == 1 or self.cfg.hardware.strategy == Strategy.fsdp:
             return None
         weights = [p.detach().double().flatten() for p in self.model.parameters() if p.requires_grad]
         flat = torch.cat(weights)
@@ -369,7 +376,7 @@ class QLoRAModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
     ) -> None:
-        if gradient_clip_val and self.cfg.hardware.strategy.value == "fsdp":
+        if gradient_clip_val and self.cfg.hardware.strategy == Strategy.fsdp:
             # Lightning's FSDP precision plugin refuses norm clipping; FSDP's own method computes the norm over
             # all shards (a per-shard norm would clip each rank differently).
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)

@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from exp.core.config import ConfigError, Strategy, TrainConfig
+from exp.core.config import ConfigError, LoggerKind, Strategy, TrainConfig
 from exp.core.secrets import mask_secrets
 from exp.data.datamodule import build_datamodule
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
@@ -90,13 +90,15 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         step_micro_batches = cfg.accumulate_grad_batches * cfg.data_parallel_size
         datamodule = build_datamodule(cfg.data, tokenizer, hw.micro_batch_size, hw.num_workers, step_micro_batches)
         GUARD.phase = "start-up"
-        module = QLoRAModule(cfg)
         checkpoint = Path(resume["checkpoint"]) if resume else None
-        if resume:
-            module.tracking_ids = dict(resume["tracking_ids"])
-        if cfg.logger.kind.value == "wandb":
-            module.tracking_ids.setdefault("wandb", new_wandb_run_id())
-        module.last_good_checkpoint = functools.partial(last_good_checkpoint, output_dir, checkpoint)
+        tracking_ids = dict(resume["tracking_ids"]) if resume else {}
+        if cfg.logger.kind == LoggerKind.wandb:
+            tracking_ids.setdefault("wandb", new_wandb_run_id())
+        module = QLoRAModule(
+            cfg,
+            tracking_ids=tracking_ids,
+            last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
+        )
         run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
         loggers = build_loggers(
             cfg.logger, output_dir, run_name, config, cfg.experiment_name, module.tracking_ids.get("wandb")

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.plugins.precision import Precision
 
-from exp.core.config import Strategy, TrainConfig
+from exp.core.config import Accelerator, Strategy, TrainConfig
 from exp.model.build import compute_dtype, decoder_layer_class
 from exp.run.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.run.logs import StepProgressBar
@@ -63,7 +63,7 @@ def _plugins(cfg: TrainConfig) -> list:
     hw = cfg.hardware
     # FSDP brings its own precision plugin (sharded scaler, FSDP's mixed-precision policy); every other strategy
     # gets Lightning's mixed precision made to clip fused optimizers (exp.training.precision).
-    if hw.strategy.value != "fsdp" and (precision := build_precision_plugin(hw.precision, hw.accelerator.value)):
+    if hw.strategy != Strategy.fsdp and (precision := build_precision_plugin(hw.precision, hw.accelerator.value)):
         plugins.append(precision)
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
@@ -89,14 +89,14 @@ def configure_cuda_allocator() -> None:
 
 def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: bool = False) -> L.Trainer:
     hw, t = cfg.hardware, cfg.trainer
-    if hw.accelerator.value != "cpu":
+    if hw.accelerator != Accelerator.cpu:
         configure_cuda_allocator()
     accumulate = cfg.accumulate_grad_batches
     plugins = _plugins(cfg)
     return L.Trainer(
         accelerator=hw.accelerator.value,
         # A model-parallel run is one process (the model spans its GPUs): Lightning drives one device.
-        devices=1 if hw.strategy.value == "model_parallel" else hw.devices,
+        devices=1 if hw.strategy == Strategy.model_parallel else hw.devices,
         strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
         # Lightning refuses a precision flag next to a precision plugin: the plugin, where there is one, decides.
