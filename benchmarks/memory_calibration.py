@@ -111,7 +111,7 @@ def compose_cfg(model: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from exp.train import CONF_DIR, to_typed
+    from exp.run.compose import CONF_DIR, to_typed
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

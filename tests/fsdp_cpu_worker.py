@@ -15,8 +15,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from exp.core.config import Strategy
 from exp.run.checkpoints import read_checkpoint
-from exp.train import compose_config, train
+from exp.run.compose import compose_config
 from exp.training.launch import end_rank
+from exp.training.pipeline import train
 
 _AcceleratorConnector._check_strategy_and_fallback = lambda self: None  # "fsdp requires a GPU accelerator"
 _fsdp_init = FSDP.__init__

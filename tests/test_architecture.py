@@ -124,7 +124,17 @@ def test_imports_inside_functions_say_why():
     assert not silent, "imports inside a function without a comment saying why:\n" + "\n".join(silent)
 
 
-@pytest.mark.parametrize("module", ["exp.core.config", "exp.core.cli", "exp.hardware.memory", "exp.hardware.preflight", "exp.run.compose", "exp.doctor"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "exp.core.config",
+        "exp.core.cli",
+        "exp.hardware.memory",
+        "exp.hardware.preflight",
+        "exp.run.compose",
+        "exp.doctor",
+    ],
+)
 def test_torch_free_modules_import_without_torch(module):
     """The config path and the memory arithmetic stay cheap: a fresh interpreter imports them without torch."""
     import subprocess

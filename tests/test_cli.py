@@ -83,7 +83,7 @@ def test_verbose_flag_is_the_verbose_key():
     from exp.core.cli import parse
     from exp.generate import TOOL as GENERATE
     from exp.preview import TOOL as PREVIEW
-    from exp.train import compose_config
+    from exp.run.compose import compose_config
 
     assert parse(PREVIEW, ["-v", "n=1"]).passed == ["verbose=true"]
     assert parse(GENERATE, ["--verbose"]).values["verbose"] is True

@@ -20,6 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+import exp.run.compose
 import exp.train
 from exp.core.config import (
     Accelerator,
@@ -32,7 +33,7 @@ from exp.core.config import (
 )
 from exp.run.overrides import check_cli_overrides
 
-CONF_DIR = Path(exp.train.CONF_DIR)
+CONF_DIR = Path(exp.run.compose.CONF_DIR)
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "experiment")
 
 # Options that are valid only together with another choice (cross-field validation would reject them alone).

@@ -110,19 +110,20 @@ def cli_check(args: list[str]):
     of a single run or None)."""
     from hydra._internal.utils import get_args_parser
 
+    import exp.run.compose
     import exp.train
     from exp.core.config import ConfigError
     from exp.core.secrets import mask_secrets
     from exp.run.overrides import check_command_line
 
-    problems, _ = check_command_line(args, exp.train.__file__, str(exp.train.CONF_DIR), "train")
+    problems, _ = check_command_line(args, exp.train.__file__, str(exp.run.compose.CONF_DIR), "train")
     if problems:
         return "exp: error: " + mask_secrets("\n".join(problems)), None
     parsed = get_args_parser().parse_args(args)
     if parsed.config_dir or parsed.multirun:
         return None, None  # a sweep: its jobs are composed in `check_train`
     try:
-        return None, exp.train.compose_config(parsed.overrides)
+        return None, exp.run.compose.compose_config(parsed.overrides)
     except ConfigError as e:
         return f"exp: error: {mask_secrets(str(e))}", None
 
@@ -144,6 +145,7 @@ def grid_jobs(overrides: list[str]) -> list[list[str]]:
 def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypatch, capsys) -> None:
     from hydra._internal.utils import get_args_parser
 
+    import exp.run.compose
     import exp.train
     from exp.hardware.preflight import Environment, Gpu, check, format_findings
 
@@ -170,7 +172,7 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
             jobs = grid_jobs(parsed.overrides)
             assert len(jobs) > 1
             for job in jobs:
-                exp.train.compose_config(job)
+                exp.run.compose.compose_config(job)
         return
     # The preflight, for the machine the command is shown on: this CPU machine, or for the transcript naming
     # CUDA_VISIBLE_DEVICES the H200 machine it was recorded on (one GPU visible). GPU commands without a transcript

@@ -186,8 +186,8 @@ def test_resume_refuses_a_run_with_a_different_config(uninterrupted, tmp_path):
 
 
 def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
+    from exp.run.compose import compose_config, config_dict
     from exp.run.resume import find_auto
-    from exp.train import compose_config, config_dict
 
     cfg = config_dict(compose_config(["trainer.resume=auto"]))
     assert find_auto(cfg, tmp_path / "outputs" / "d" / "t") is None

@@ -106,8 +106,8 @@ def test_a_run_in_use_by_another_process_is_never_continued(tmp_path):
     holder = hold_lock(running)
     try:
         assert find_auto(CONFIG, tmp_path / "new") is None  # auto: skipped
+        from exp.run.compose import compose_config, config_dict
         from exp.run.resume import resolve
-        from exp.train import compose_config, config_dict
 
         cfg = compose_config([f"trainer.resume={running}"])
         with pytest.raises(ConfigError, match="is in use by another process"):
@@ -205,7 +205,7 @@ def test_a_run_dir_that_cannot_be_created_is_refused_clearly(tmp_path, monkeypat
 def test_a_full_disk_is_reported_without_a_traceback(capsys):
     import errno
 
-    from exp.train import exit_on_known_error
+    from exp.training.pipeline import exit_on_known_error
 
     full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/checkpoints/.last.ckpt.7.1.partial")
     with pytest.raises(SystemExit) as info:

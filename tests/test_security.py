@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from exp.core.config import ConfigError, ModelConfig
+from exp.run.compose import CONF_DIR
 from exp.run.overrides import check_command_line
 from exp.run.security import REDACTED, redact_override
-from exp.train import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = str(ROOT / "src" / "exp" / "train.py")
@@ -156,7 +156,7 @@ def test_a_secret_value_is_refused_by_the_cli_without_writing_or_printing_it(tmp
 
 def test_the_typed_config_refuses_a_secret_value_too(monkeypatch):
     """`exp.train.run` (no CLI check before it) composes through the same typed config."""
-    from exp.train import compose_config
+    from exp.run.compose import compose_config
 
     monkeypatch.setenv("HF_TOKEN", ENV_SECRETS["HF_TOKEN"])
     with pytest.raises(ConfigError, match="logger.run_name holds the value of the environment variable HF_TOKEN"):

@@ -197,9 +197,9 @@ def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp
     from conftest import compose_typed
 
     from exp.core.config import ConfigError
+    from exp.run.compose import config_dict
     from exp.run.dirs import write_status
     from exp.run.sweep import SweepConflict, earlier_result, fingerprint, record_job
-    from exp.train import config_dict
 
     base = config_dict(compose_typed([]))
     renamed = config_dict(compose_typed(["logger.group=elsewhere", "logger.run_name=x", "trainer.resume=auto"]))

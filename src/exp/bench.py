@@ -219,7 +219,7 @@ def _checkpoint_and_vocab(settings: Settings) -> tuple[str, int, float]:
 
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
     from exp.model.build import resolve_checkpoint
-    from exp.train import compose_config
+    from exp.run.compose import compose_config
 
     started = time.perf_counter()
     cfg = compose_config(settings.exp_overrides(), ROOT)
@@ -232,7 +232,7 @@ def real_data(settings: Settings):
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
     from exp.data.datamodule import build_datamodule
     from exp.model.build import build_tokenizer
-    from exp.train import compose_config
+    from exp.run.compose import compose_config
 
     cfg = compose_config(settings.exp_overrides(), ROOT)
     tokenizer = build_tokenizer(cfg.model)
@@ -293,8 +293,8 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     from exp.hardware.memory import estimate_for_config
     from exp.hardware.preflight import check, format_findings, probe_environment
     from exp.model.build import decoder_layers, quiet_third_party_logs
+    from exp.run.compose import compose_config, config_dict
     from exp.run.tracking import build_loggers
-    from exp.train import compose_config, config_dict
     from exp.training.baseline_loop import token_batch
     from exp.training.module import QLoRAModule
     from exp.training.trainer import build_trainer
@@ -884,8 +884,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
     from exp.hardware.memory import config_arch
+    from exp.run.compose import compose_config
     from exp.run.tracking import _git_state
-    from exp.train import compose_config
 
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     targets = ALL_PROJECTIONS if a.lora_targets == "all" else a.lora_targets.split(",")

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat
 from exp.data.datamodule import InstructionDataModule, collate, encode_example, load_examples
-from exp.run.dirs import write_json
+from exp.run.dirs import RunLayout, write_json
 from exp.run.inference import (
     RUN_CONFIG_HELP,
     RUN_KEYS,
@@ -163,7 +163,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole)
     report: dict[str, Any] = {
         "run": str(run_dir),
-        "weights": str(ckpt) if ckpt else str(run_dir / "adapter"),
+        "weights": str(ckpt) if ckpt else str(RunLayout(run_dir).adapter),
         "data": {
             "format": data_cfg.format.value,
             "path": data_cfg.path,

@@ -113,7 +113,7 @@ def _preview(args: Parsed) -> int:
     # the tokenizer stack loads once the arguments have passed their checks
     from exp.data.datamodule import build_datamodule
     from exp.model.build import build_tokenizer, quiet_third_party_logs
-    from exp.train import compose_config
+    from exp.run.compose import compose_config
 
     cfg = compose_config(args.passed)
     quiet_third_party_logs(cfg.verbose)

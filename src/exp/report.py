@@ -19,7 +19,7 @@ from pathlib import Path
 
 from exp.core.cli import Key, Parsed, Tool, run_tool
 from exp.core.config import ConfigError
-from exp.run.dirs import read_status, run_state
+from exp.run.dirs import RunLayout, read_status, run_state
 
 TOOL = Tool(
     "exp.report",
@@ -56,17 +56,15 @@ class JobRow:
 def find_runs(paths: list[Path]) -> list[Path]:
     runs = []
     for p in paths:
-        if (p / "status.json").exists() or (p / ".hydra").exists():
+        if RunLayout(p).is_run():
             runs.append(p)
         elif p.is_dir():
-            runs += sorted(
-                c for c in p.iterdir() if c.is_dir() and ((c / "status.json").exists() or (c / ".hydra").exists())
-            )
+            runs += sorted(c for c in p.iterdir() if c.is_dir() and RunLayout(c).is_run())
     return runs
 
 
 def _overrides(run: Path) -> dict[str, str]:
-    path = run / ".hydra" / "overrides.yaml"  # every attempt of a sweep job holds its own record
+    path = RunLayout(run).hydra / "overrides.yaml"  # every attempt of a sweep job holds its own record
     if not path.exists():
         return {}
     from omegaconf import OmegaConf
@@ -78,7 +76,7 @@ def _overrides(run: Path) -> dict[str, str]:
 def read_run(run: Path, metric: str) -> JobRow:
     status = read_status(run)
     row = JobRow(run.name, run, run_state(run), _overrides(run), error=status.get("error", ""))
-    metrics_csv = run / "csv" / "metrics.csv"
+    metrics_csv = RunLayout(run).metrics
     if metrics_csv.exists():
         values = []
         for r in csv.DictReader(metrics_csv.open()):
@@ -88,7 +86,7 @@ def read_run(run: Path, metric: str) -> JobRow:
                 row.curve.append((int(r["step"]), float(r["train/loss"])))
         if values:
             row.best, row.final = min(values), values[-1]
-    summary_path = run / "summary.json"
+    summary_path = RunLayout(run).summary
     if summary_path.exists():
         s = json.loads(summary_path.read_text())
         row.final = s["final_val"].get(metric, row.final)

@@ -23,6 +23,7 @@ from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import mask_secrets
 from exp.run.compose import CONF_DIR, compose_config, to_typed
 from exp.run.dirs import (
+    RunLayout,
     claim_run_dir,
     discard_run_dir,
     lock_run,
@@ -87,7 +88,7 @@ def cli() -> None:
         _cli()
     except Preempted as e:  # before Hydra ran `main` (which handles its own)
         claimed = [Path(a.split("=", 1)[1][1:-1]) for a in sys.argv[1:] if a.startswith('hydra.run.dir="')]
-        if claimed and (claimed[-1] / "status.json").exists():
+        if claimed and RunLayout(claimed[-1]).status.exists():
             from exp.training.pipeline import record_stop  # torch, on this rare path only
 
             record_stop(claimed[-1], e)

@@ -22,9 +22,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from exp.core.config import ConfigError, TrainConfig
+from exp.run.dirs import CHECKPOINT_DIR, LAST_CHECKPOINT
 
-CHECKPOINT_DIR = "checkpoints"
-LAST = "last.ckpt"
 CONTENT_HASH = "exp_content_sha256"
 
 
@@ -169,7 +168,7 @@ def candidates(run_dir: Path) -> list[Path]:
     if not ckpt_dir.is_dir():
         return []
     periodic = sorted(ckpt_dir.glob("step-*.ckpt"), key=checkpoint_step, reverse=True)
-    last = ckpt_dir / LAST
+    last = ckpt_dir / LAST_CHECKPOINT
     if not last.is_file():
         return periodic
     step = _saved_step(last)

@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.core.secrets import secret_value_problems
-from exp.run.dirs import RESUME_RECORD
+from exp.run.dirs import RESUME_RECORD, RunLayout
 from exp.run.overrides import check_cli_overrides
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -26,12 +26,12 @@ def config_dict(cfg: TrainConfig) -> dict:
 
 
 def write_run_config(cfg: TrainConfig, output_dir: Path) -> None:
-    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(config_dict(cfg)))
+    RunLayout(output_dir).config.write_text(OmegaConf.to_yaml(config_dict(cfg)))
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
     """The typed config a run recorded (what its workers, and a resumed run, train with)."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(run_dir / "config.yaml"))
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(RunLayout(run_dir).config))
     return OmegaConf.to_object(merged)
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,82 @@ from exp.core.config import ConfigError
 from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import mask_secrets
 
-STATUS_FILE = "status.json"
+# The layout of a run directory: every file and folder a run writes, by name (README "What every run leaves").
+CONFIG_FILE = "config.yaml"  # the resolved, typed config the run trains with
+STATUS_FILE = "status.json"  # running, completed, failed or preempted
+SUMMARY_FILE = "summary.json"  # a completed run's results
+MANIFEST_FILE = "manifest.json"  # how the run was made
 RESUME_RECORD = "resume.json"  # in a continued run: the checkpoint and the run it continued
+JOB_RECORD = "sweep_job.json"  # in each sweep job: the config the job was asked to run, and its fingerprint
 LOCK_FILE = ".lock"
+LOG_FILE = "train.log"
+SAMPLES_FILE = "samples.txt"
+HYDRA_DIR = ".hydra"  # Hydra's record of the composition
+ADAPTER_DIR = "adapter"  # the final adapter in PEFT's format, and the tokenizer
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+METRICS_CSV = "csv/metrics.csv"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run directory's files: the one place that knows where a run keeps what."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def status(self) -> Path:
+        return self.root / STATUS_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_FILE
+
+    @property
+    def resume_record(self) -> Path:
+        return self.root / RESUME_RECORD
+
+    @property
+    def job_record(self) -> Path:
+        return self.root / JOB_RECORD
+
+    @property
+    def log(self) -> Path:
+        return self.root / LOG_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES_FILE
+
+    @property
+    def hydra(self) -> Path:
+        return self.root / HYDRA_DIR
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / ADAPTER_DIR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINT_DIR
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_CSV
+
+    def is_run(self) -> bool:
+        """Holds a run's record (its status, or Hydra's record of a job that never got further)."""
+        return self.status.exists() or self.hydra.exists()
+
+
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open descriptor whose lock this process holds
 # run directory (resolved) -> the directories this process created to claim it (it first, then new parents): only
 # those may be removed again (`discard_run_dir`); a directory that was there before is never removed.
@@ -156,7 +230,7 @@ def discard_run_dir(run_dir: Path) -> bool:
     made = _created.pop(run_dir.resolve(), None)
     if not made or os.environ.get(LAUNCH_ID_ENV):
         return False
-    if any((run_dir / name).exists() for name in ("checkpoints", "adapter", "summary.json")):
+    if any((run_dir / name).exists() for name in (CHECKPOINT_DIR, ADAPTER_DIR, SUMMARY_FILE)):
         return False
     release_run(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)

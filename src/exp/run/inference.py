@@ -22,6 +22,7 @@ from exp.core.config import Accelerator, ConfigError, QuantizationConfig, QuantT
 from exp.model.build import load_base_model
 from exp.run.checkpoints import load_checkpoint_file
 from exp.run.compose import load_run_config
+from exp.run.dirs import RunLayout
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -93,7 +94,7 @@ def resolve_run_dir(run: str | None, ckpt: str | None, command: str) -> Path:
         raise ConfigError(
             f"run={run_dir}: no such directory. Pass the directory a training run wrote (outputs/<date>/<time>)."
         )
-    if not (run_dir / "config.yaml").exists():
+    if not RunLayout(run_dir).config.exists():
         raise ConfigError(
             f"run={run_dir}: no config.yaml there, so this is not a run directory of exp.train. Pass the directory "
             "holding config.yaml, adapter/ and checkpoints/."
@@ -102,7 +103,7 @@ def resolve_run_dir(run: str | None, ckpt: str | None, command: str) -> Path:
 
 
 def adapter_dir_of(run_dir: Path) -> Path:
-    adapter = run_dir / "adapter"
+    adapter = RunLayout(run_dir).adapter
     if not (adapter / ADAPTER_WEIGHTS).exists():
         status = _run_status(run_dir)
         raise ConfigError(
@@ -115,7 +116,7 @@ def adapter_dir_of(run_dir: Path) -> Path:
 
 def _run_status(run_dir: Path) -> str:
     try:
-        return json.loads((run_dir / "status.json").read_text())["status"]
+        return json.loads(RunLayout(run_dir).status.read_text())["status"]
     except (OSError, ValueError, KeyError):
         return "unknown (no status.json)"
 

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-LOG_FILE = "train.log"
+from exp.run.dirs import LOG_FILE
+
 # Lines for train.log only: the console shows the same facts as the progress bar and the printed summary.
 RECORD = logging.getLogger("exp.record")
 RECORD.addHandler(logging.NullHandler())  # where no train.log is written (ranks > 0): dropped, not printed
@@ -136,7 +137,7 @@ class RecordMetrics(Logger):
 
     @property
     def name(self) -> str:
-        return "train.log"
+        return LOG_FILE
 
     @property
     def version(self) -> None:

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from exp.core.config import ConfigError, TrainConfig
 from exp.run.checkpoints import candidates, first_intact
-from exp.run.dirs import RESUME_RECORD, in_use, lock_run, read_status
+from exp.run.dirs import CHECKPOINT_DIR, RESUME_RECORD, RunLayout, in_use, lock_run, read_status
 
 log = logging.getLogger("exp.resume")
 
@@ -93,7 +93,7 @@ def config_differences(recorded: dict, current: dict) -> list[str]:
 
 def _recorded_config(run_dir: Path) -> dict | None:
     try:
-        return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+        return OmegaConf.to_container(OmegaConf.load(RunLayout(run_dir).config))
     except Exception:  # not a run dir, or a config from an incompatible version: not a candidate
         return None
 
@@ -113,7 +113,7 @@ def search_places(output_dir: Path) -> list[Path]:
     else:
         runs = list(parent.iterdir()) if parent.is_dir() else []
     here = output_dir.resolve()
-    return sorted({r.resolve() for r in runs if r.is_dir() and (r / "config.yaml").is_file()} - {here})
+    return sorted({r.resolve() for r in runs if r.is_dir() and RunLayout(r).config.is_file()} - {here})
 
 
 def _continued(run_dir: Path) -> Path | None:
@@ -190,7 +190,7 @@ def resolve(cfg: TrainConfig, cfg_dict: dict, output_dir: Path, launch_dir: Path
         if not target.is_absolute():
             target = launch_dir / target
         if target.is_file():
-            run = target.parent.parent if target.parent.name == "checkpoints" else target.parent
+            run = target.parent.parent if target.parent.name == CHECKPOINT_DIR else target.parent
             paths = [target] + [p for p in candidates(run) if p != target]
         elif target.is_dir():
             run, paths = target, candidates(target)

@@ -27,6 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from exp.core.secrets import REDACTED, SECRET_NAME, redact, redact_argv
+from exp.run.dirs import HYDRA_DIR
 
 # Where Hydra (or logging.config) turns a config value into a callable, what that callable must be: the modules it
 # may be defined in and the class it must derive from. A value is resolved exactly as Hydra resolves it (every
@@ -270,7 +271,7 @@ def write_hydra_record(config: DictConfig, run_dir: Path | None = None) -> Path:
     assert isinstance(record, dict)
     task = _redacted(record)
     hydra_node = task.pop("hydra")
-    out = Path(run_dir or config.hydra.runtime.output_dir) / (config.hydra.output_subdir or ".hydra")
+    out = Path(run_dir or config.hydra.runtime.output_dir) / (config.hydra.output_subdir or HYDRA_DIR)
     out.mkdir(parents=True, exist_ok=True)
     _write_yaml(out / "config.yaml", task)
     _write_yaml(out / "hydra.yaml", {"hydra": hydra_node})

@@ -25,11 +25,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from exp.core.config import ConfigError
-from exp.run.dirs import read_status, write_json
+from exp.run.dirs import JOB_RECORD, RunLayout, read_status, write_json
 
 log = logging.getLogger("exp.sweep")
 
-JOB_RECORD = "sweep_job.json"  # in each job directory: the config the job was asked to run, and its fingerprint
 # Left out of a job's fingerprint: what names or labels a run, never what it computes. The W&B run name and group
 # are derived from the job's overrides and the sweep directory's name, so a renamed or moved sweep directory is still
 # the same study; a continued run (trainer.resume) reaches the result the uninterrupted one would. Everything else,
@@ -149,16 +148,14 @@ def restore_sweep_record(sweep_dir: Path) -> None:
 def final_metric(run_dir: Path) -> float:
     """A job's final validation loss (what sweepers minimise), +inf when it has none."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())["final_val"]["val/loss"]
+        return json.loads(RunLayout(run_dir).summary.read_text())["final_val"]["val/loss"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
         return float("inf")
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Every run directory of a sweep (a job's retries included), in name order."""
-    return sorted(
-        p for p in sweep_dir.iterdir() if p.is_dir() and ((p / "status.json").exists() or (p / ".hydra").exists())
-    )
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and RunLayout(p).is_run())
 
 
 def job_groups(sweep_dir: Path) -> dict[str, list[Path]]:

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from exp.core.config import ConfigError, LoggerConfig, LoggerKind, WandbMode
 from exp.core.secrets import redact, redact_argv
-from exp.run.dirs import write_json
+from exp.run.dirs import RunLayout, write_json
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def build_loggers(
         log.warning(
             "logger=wandb: the wandb package is not installed, so metrics go to %s only. pip install wandb for W&B "
             "tracking, or set logger=csv to silence this",
-            output_dir / "csv" / "metrics.csv",
+            RunLayout(output_dir).metrics,
         )
         return loggers
     if cfg.kind == LoggerKind.wandb:
@@ -234,4 +234,4 @@ def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
         "data_fingerprint": data_fingerprint(data_cfg),
         "tokenizer_sha256": tok_hash,
     }
-    write_json(run_dir / "manifest.json", redact(manifest))
+    write_json(RunLayout(run_dir).manifest, redact(manifest))

@@ -25,7 +25,7 @@ from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_prefligh
 from exp.model.build import build_tokenizer, quiet_third_party_logs
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, write_run_config
-from exp.run.dirs import RESUME_RECORD, read_status, write_json, write_status
+from exp.run.dirs import RESUME_RECORD, RunLayout, read_status, write_json, write_status
 from exp.run.logs import RECORD, RecordMetrics, run_log
 from exp.run.resume import resolve
 from exp.run.tracking import (
@@ -117,7 +117,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         except torch.OutOfMemoryError as e:
             raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
         GUARD.phase = "saving the results"
-        adapter_dir = output_dir / "adapter"
+        adapter_dir = RunLayout(output_dir).adapter
         result = TrainResult(
             output_dir,
             adapter_dir,
@@ -149,7 +149,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
                     "resumed_from": resume,
                     "data": datamodule.stats,
                 }
-                write_json(output_dir / "summary.json", summary)
+                write_json(RunLayout(output_dir).summary, summary)
                 print_summary(summary, output_dir)
                 if cfg.logger.log_adapter:
                     log_adapter_artifact(loggers, adapter_dir, run_name)
@@ -265,7 +265,7 @@ def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> Tra
     write_status(output_dir, "running")
     log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
     rc = launch_workers(cfg, output_dir)
-    summary_path = output_dir / "summary.json"
+    summary_path = RunLayout(output_dir).summary
     if rc == REQUEUE_EXIT:
         checkpoint = newest_checkpoint(output_dir, read_resume_record(output_dir))
         where = f"checkpoint {checkpoint}" if checkpoint else "before any checkpoint: nothing to resume"
@@ -280,7 +280,7 @@ def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> Tra
     summary = json.loads(summary_path.read_text())
     return TrainResult(
         output_dir,
-        output_dir / "adapter",
+        RunLayout(output_dir).adapter,
         summary["initial_val"],
         summary["final_val"],
         summary["chance_token_accuracy"],

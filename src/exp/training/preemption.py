@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from exp.run.checkpoints import CHECKPOINT_DIR, LAST
+from exp.run.dirs import CHECKPOINT_DIR, LAST_CHECKPOINT
 from exp.training.signals import GUARD, Preempted
 
 log = logging.getLogger("exp.preemption")
@@ -51,7 +51,7 @@ class PreemptionCheckpoint(Callback):
         return int(flag.item())
 
     def _checkpoint(self, trainer, signum: int) -> None:
-        path = self.output_dir / CHECKPOINT_DIR / LAST
+        path = self.output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
         trainer.save_checkpoint(path)
         log.warning("received %s: saved %s at step %d", signal.Signals(signum).name, path, trainer.global_step)
         GUARD.received = GUARD.received or signum  # a rank that learnt of it from another
@@ -96,7 +96,7 @@ class PreemptionCheckpoint(Callback):
         if self.stopping is None and (signum := self._agreed_signal(trainer, pl_module)):
             self._checkpoint(trainer, signum)  # received during the last step, after its boundary
         elif self.stopping is None and trainer.global_step % self.every:
-            trainer.save_checkpoint(self.output_dir / CHECKPOINT_DIR / LAST)  # the final step, for a resume
+            trainer.save_checkpoint(self.output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)  # the final step, for a resume
         self._commit(trainer)
         if self.stopping is not None:
             GUARD.acted = True

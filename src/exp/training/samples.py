@@ -19,6 +19,7 @@ from exp.core.config import DataFormat, Strategy, TrainConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.data.formats import format_prompt
 from exp.model.build import build_tokenizer
+from exp.run.dirs import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def build_sample_callbacks(cfg: TrainConfig, output_dir: Path) -> list[L.Callbac
     t = cfg.trainer
     if not (t.sample_prompts or t.sample_count) or cfg.hardware.strategy == Strategy.fsdp:
         return []
-    return [SampleGenerations(cfg, output_dir / "samples.txt")]
+    return [SampleGenerations(cfg, RunLayout(output_dir).samples)]
 
 
 def prompt_ids_from_heldout(datamodule: Any, count: int) -> list[list[int]]:
