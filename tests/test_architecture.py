@@ -143,3 +143,43 @@ def test_torch_free_modules_import_without_torch(module):
     code = f"import sys, {module}; heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]; print(heavy); sys.exit(bool(heavy))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, f"{module} imports {proc.stdout.strip()} {proc.stderr[-500:]}"
+
+
+def test_the_schema_defaults_are_the_default_run():
+    """`TrainConfig()` is what `python -m exp.train` with no arguments composes: one definition of the default run."""
+    from exp.core.config import TrainConfig
+    from exp.run.compose import compose_config, config_dict
+
+    assert config_dict(TrainConfig()) == config_dict(compose_config([]))
+
+
+def test_option_files_hold_only_what_differs_from_the_schema():
+    """A value an option file repeats from the schema would go stale the day the schema changes."""
+    import dataclasses
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from exp.core.config import TrainConfig
+    from exp.run.compose import CONF_DIR
+
+    repeated = []
+    for f in dataclasses.fields(TrainConfig):
+        if f.default_factory is dataclasses.MISSING or not (CONF_DIR / f.name).is_dir():
+            continue
+        default = OmegaConf.to_container(OmegaConf.structured(f.default_factory()), enum_to_str=True)
+        for option in sorted((CONF_DIR / f.name).glob("*.yaml")):
+            values = yaml.safe_load(option.read_text()) or {}
+            # A value that overrides the option it extends (its `defaults` list) differs from what it would get.
+            inherited = {
+                k
+                for parent in values.get("defaults", [])
+                if isinstance(parent, str) and parent != "_self_"
+                for k in yaml.safe_load((CONF_DIR / f.name / f"{parent}.yaml").read_text()) or {}
+            }
+            repeated += [
+                f"{option.relative_to(CONF_DIR)}: {k}: {v!r}"
+                for k, v in values.items()
+                if k != "defaults" and k not in inherited and k in default and default[k] == v
+            ]
+    assert not repeated, "option values equal to the schema's defaults:\n" + "\n".join(repeated)
