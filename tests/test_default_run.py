@@ -1,4 +1,4 @@
-"""The issue's acceptance run: `python -m exp.train` with nothing else, on this CPU, learns the embedded task."""
+"""The embedded default run: `python -m exp.train` with nothing else, on this CPU, learns the embedded task."""
 
 from __future__ import annotations
 

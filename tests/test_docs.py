@@ -1,4 +1,4 @@
-"""Every command in README.md and docs/*.md works as written on a fresh clone (no `../shared`, no GPU, no hub).
+"""Every command in README.md and docs/*.md works as written on a fresh clone (no data from outside the repository, no GPU, no hub).
 
 The commands are read from the Markdown code blocks: each line of a ```bash block, and each `$ ` line of a
 transcript together with what it printed (the lines up to a blank line or the next `$`). Nothing here trains, so

@@ -10,8 +10,8 @@ and every process's peak memory is its own) on the same model shape, LoRA settin
 step i is `bench_baseline.token_batch(i, seed, ...)`, labels = inputs, for both sides. The model (random weights
 in the published architecture, `model.random_init=true`) is built once into exp's cache by the first variant.
 
-* `baseline` is exp.training.baseline_loop: the plain transformers + PEFT + bitsandbytes loop of
-  ../shared/bench/qlora_baseline.py; `baseline prepare=false` etc. switch its levers.
+* `baseline` is exp.training.baseline_loop: the plain transformers + PEFT + bitsandbytes loop a user
+  writes by hand; `baseline prepare=false` etc. switch its levers.
 * `exp` is `python -m exp.train`'s code: the config composed from conf/ (hardware=gpu on a GPU, cpu otherwise) plus
   the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build.build_model` in
   `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of `exp.training.trainer.build_trainer`

@@ -1,7 +1,7 @@
 """The plain baseline of `exp.bench`: the QLoRA loop a user writes by hand with transformers + PEFT + bitsandbytes.
 
-This is the project's copy of ../shared/bench/qlora_baseline.py (the loop the LANDSCAPE figures were measured
-with), kept to its choices so that exp is compared with what people actually run:
+It keeps the choices of the common tutorials and hand-written scripts, so that exp is compared with what people
+actually run:
 
 * the checkpoint loaded through `from_pretrained(quantization_config=BitsAndBytesConfig(NF4, double quant,
   compute dtype bf16), dtype=bf16, attn_implementation="sdpa")`, the whole model on one device;
