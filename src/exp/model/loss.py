@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exp.core.config import LossImpl, TrainConfig
+from exp.core.config import LossImpl, Strategy, TrainConfig
 from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
 from exp.model.loss_plan import LossChoice, plan_loss_impl
 
@@ -54,12 +54,13 @@ def _head_problem(model: nn.Module) -> str | None:
 def resolve_loss_impl(cfg: TrainConfig, model: nn.Module, device: torch.device) -> LossChoice:
     """The loss that runs: the plan for this device (`plan_loss_impl`), unless the loaded model rules it out (a head
     that is not a plain Linear) or liger-kernel cannot run in this process; each fallback says why."""
+    wanted = cfg.hardware.loss_impl
+    # The loaded head first: the plan knows a trained head only by the config's markers, the model says what it is.
+    if wanted != LossImpl.hf and cfg.hardware.strategy != Strategy.fsdp and (problem := _head_problem(model)):
+        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} needs a plain head: {problem}")
     choice = plan_loss_impl(cfg, on_cuda=device.type == "cuda")
-    wanted = cfg.hardware.loss_impl.value
-    if choice.impl != LossImpl.hf and (problem := _head_problem(model)):
-        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted} needs a plain head: {problem}")
     if choice.impl == LossImpl.liger and (missing := liger_available()) is not None:
-        return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted}: {missing}, so exp's chunked loss")
+        return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted.value}: {missing}, so exp's chunked loss")
     return choice
 
 
