@@ -94,6 +94,8 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         tracking_ids = dict(resume["tracking_ids"]) if resume else {}
         if cfg.logger.kind == LoggerKind.wandb:
             tracking_ids.setdefault("wandb", new_wandb_run_id())
+        # The module holds no model yet: `trainer.fit` calls its `configure_model` hook on the device the strategy
+        # chose, which builds the 4-bit model there once (exp.model.build.build_model).
         module = QLoRAModule(
             cfg,
             tracking_ids=tracking_ids,
