@@ -27,6 +27,7 @@ from conftest import SHORT
 import exp.data.datamodule
 import exp.train
 import exp.training.module
+import exp.training.pipeline
 from exp.train import run
 from exp.training.module import QLoRAModule
 from exp.training.signals import REQUEUE_EXIT, Preempted
@@ -74,7 +75,7 @@ def fiftieth_row():
 BEFORE_TRAINING = [
     (
         "data",
-        exp.data.datamodule,
+        exp.training.pipeline,
         "build_datamodule",
         signal.SIGINT,
         "data preparation",

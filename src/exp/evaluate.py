@@ -1,12 +1,13 @@
 """`python -m exp.evaluate run=<run dir>`: loss, perplexity and task metrics of a trained adapter.
 
 Loads the base exactly as the run trained it (same quantization, same compute dtype) plus the run's adapter (or a
-checkpoint's adapter weights with `ckpt=`), and scores the run's held-out split (the same seeded split training
-validated on) or another data set. Writes `<run>/eval.json` (`eval_<name>.json` for other data) and prints it.
+checkpoint's adapter weights with `ckpt=`), and scores the run's held-out split (the examples training validated
+on, in the same order) or every row of another file in the run's data format (Alpaca rows for a run on the
+generated default). Writes `<run>/eval.json` (`eval_<name>.json` for other data) and prints it.
 
     python -m exp.evaluate run=outputs/2026-11-30/11-45-49
     python -m exp.evaluate ckpt=outputs/2026-11-30/11-45-49/checkpoints/step-001000.ckpt
-    python -m exp.evaluate run=<run> data=my_eval.jsonl            # every row of an Alpaca-style file
+    python -m exp.evaluate run=<run> data=my_eval.jsonl            # every row of a file in the run's data format
     python -m exp.evaluate run=<run> data.num_examples=8000        # any data.<field> of the run's data config
     python -m exp.evaluate run=<run> lm_eval=hellaswag,arc_easy    # lm-evaluation-harness, when installed
 """
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat
-from exp.data.datamodule import InstructionDataModule, collate, encode_example, load_examples
+from exp.data.datamodule import Encoded, all_examples, build_splits, collate
 from exp.run.dirs import RunLayout, write_json
 from exp.run.inference import (
     RUN_CONFIG_HELP,
@@ -49,7 +50,8 @@ TOOL = Tool(
         Key(
             "data",
             None,
-            "an Alpaca-style JSON/JSONL file (or directory), evaluated in full instead of the held-out split",
+            "a data file (or directory) in the run's data format (alpaca for the generated default), evaluated in "
+            "full instead of the held-out split",
             placeholder="FILE",
         ),
         Key("name", None, "names the report eval_<name>.json [default: the data file's and the checkpoint's stems]"),
@@ -69,14 +71,19 @@ TOOL = Tool(
 
 
 def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str]) -> DataConfig:
-    """The run's data config, or a file in its place, with `data.<field>=` overrides checked against the schema."""
+    """The run's data config, or a file in its place, with `data.<field>=` overrides checked against the schema.
+
+    A file is read in the run's format with the run's column mapping (a chat run is scored on chat rows); the
+    generated default has no file format of its own, and its rows are Alpaca rows.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     cfg = base
     if data:
         path = Path(data).expanduser().resolve()
-        cfg = replace(cfg, format=DataFormat.alpaca, path=str(path))
+        fmt = DataFormat.alpaca if cfg.format == DataFormat.synthetic else cfg.format
+        cfg = replace(cfg, format=fmt, path=str(path), hub_id=None, val_path=None)
     if fields:
         try:
             merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(fields_items(fields))))
@@ -91,18 +98,24 @@ def fields_items(fields: dict[str, str]) -> list[str]:
     return [f"{k.removeprefix('data.')}={v}" for k, v in fields.items()]
 
 
-def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: bool) -> DataLoader:
-    """The held-out split exactly as training drew it, or (`whole`) every usable row of the data."""
+def eval_examples(cfg: DataConfig, tokenizer: Any, whole: bool) -> list[Encoded]:
+    """The held-out split exactly as training drew it, or (`whole`, the `data=` file) every usable row, in order."""
+    return all_examples(cfg, tokenizer, key="data") if whole else build_splits(cfg, tokenizer).val
 
-    if not whole:
-        return InstructionDataModule(cfg, tokenizer, batch_size).val_dataloader()
-    rows = load_examples(cfg)
-    encoded = [encode_example(tokenizer, r, cfg.max_seq_len, cfg.train_on_prompt)[0] for r in rows]
-    encoded = [e for e in encoded if e is not None]
-    if not encoded:
-        raise ConfigError(f"data={cfg.path}: no row keeps a response token at data.max_seq_len={cfg.max_seq_len}")
+
+def split_name(cfg: DataConfig, whole: bool) -> str:
+    """What was scored, for the report."""
+    if whole:
+        return "all rows"
+    if cfg.val_path:
+        return f"held-out (data.val_path={cfg.val_path})"
+    return f"held-out (data.val_size={cfg.val_size}, seed {cfg.seed})"
+
+
+def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: bool) -> DataLoader:
+    """`eval_examples` in order, padded as training's validation pads them."""
     pad = functools.partial(collate, pad_id=tokenizer.pad_token_id)
-    return DataLoader(encoded, batch_size=batch_size, shuffle=False, collate_fn=pad)
+    return DataLoader(eval_examples(cfg, tokenizer, whole), batch_size=batch_size, shuffle=False, collate_fn=pad)
 
 
 @torch.no_grad()
@@ -167,7 +180,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
         "data": {
             "format": data_cfg.format.value,
             "path": data_cfg.path,
-            "split": "all rows" if whole else f"held-out (data.val_size={data_cfg.val_size}, seed {data_cfg.seed})",
+            "split": split_name(data_cfg, whole),
         },
         **score(loaded.model, loader, loaded.device),
     }

@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from exp.core.cli import Key, Tool
-from exp.core.config import ConfigError
+from exp.core.config import ConfigError, TrainConfig
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate, encode_example, load_examples, split_rows
+from exp.data.datamodule import build_splits, collate
 from exp.model.build import compute_dtype
 from exp.run.dirs import write_json
 from exp.run.inference import (
@@ -93,14 +94,14 @@ def check_out_dir(out: str | None, overwrite: bool) -> Path:
     return path
 
 
-def heldout_batches(cfg, tokenizer, n: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """The first `n` examples of the run's held-out split (the seeded split training validated on)."""
-
-    _, val_rows = split_rows(load_examples(cfg.data), cfg.data.val_size, cfg.data.seed)
-    # Response-only labels whatever the run trained on: the comparison is about answers.
-    encoded = [encode_example(tokenizer, r, cfg.data.max_seq_len, False)[0] for r in val_rows]
-    encoded = [e for e in encoded if e is not None][:n]
-    return [collate(encoded[i : i + batch_size], tokenizer.pad_token_id) for i in range(0, len(encoded), batch_size)]
+def heldout_batches(cfg: TrainConfig, tokenizer: Any, n: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """The first `n` examples of the run's held-out split (`build_splits`: the examples training validated on, in
+    the run's data format), batched."""
+    # Response-only labels whatever the run trained on: the comparison is about answers. The split does not depend
+    # on train_on_prompt (only the labels do), so these are the same examples in the same order.
+    data = replace(cfg.data, train_on_prompt=False)
+    examples = build_splits(data, tokenizer).val[:n]
+    return [collate(examples[i : i + batch_size], tokenizer.pad_token_id) for i in range(0, len(examples), batch_size)]
 
 
 @torch.no_grad()

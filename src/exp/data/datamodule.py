@@ -2,7 +2,8 @@
 
 Per-format rendering lives in `exp.data.formats`, packing in `exp.data.packing`; this module does what is common to all
 formats: read the source with `datasets`, encode every row once (cached by fingerprint under the exp cache),
-collect bad rows, carve the validation split, and batch (padded, length-grouped or packed).
+collect bad rows, carve the validation split (`build_splits`, the one place a data config becomes train / held-out
+examples, for training, `exp.evaluate` and `exp.merge` alike), and batch (padded, length-grouped or packed).
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ __all__ = [
     "IGNORE_INDEX",
     "Encoded",
     "InstructionDataModule",
+    "Splits",
+    "all_examples",
     "build_datamodule",
+    "build_splits",
     "collate",
     "encode_example",
     "encode_rendered",
     "format_prompt",
     "load_examples",
-    "split_rows",
 ]
 
 
@@ -215,6 +218,21 @@ def encoding_fingerprint(cfg: DataConfig, source: Source, tokenizer_fp: str) -> 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def check_columns(cfg: DataConfig, source: Source) -> None:
+    """Refuse an empty source, or one without the columns `data.format` reads (as mapped by `data.<name>_field`)."""
+    columns = source.rows.column_names
+    if len(source.rows) == 0:
+        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
+    missing = [c for c in required_columns(cfg) if c not in columns]
+    if missing:
+        fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
+        raise ConfigError(
+            f"{source.name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format="
+            f"{cfg.format.value}); the data has columns {columns}. Map yours with e.g. {fixes}, or pick "
+            "the data.format that matches the file."
+        )
+
+
 def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):
     """Tokenise every row with `datasets.map`, cached under <exp cache>/tokenized/<fingerprint>/ (an entry of
     `exp.core.cache`: verified on use, rebuilt when damaged).
@@ -222,16 +240,7 @@ def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp:
     A second run with the same source, tokenizer and encoding fields reads the cache entry and calls no encoder.
     """
     ds = source.rows
-    if len(ds) == 0:
-        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
-    missing = [c for c in required_columns(cfg) if c not in ds.column_names]
-    if missing:
-        fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
-        raise ConfigError(
-            f"{source.name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format="
-            f"{cfg.format.value}); the data has columns {ds.column_names}. Map yours with e.g. {fixes}, or pick "
-            "the data.format that matches the file."
-        )
+    check_columns(cfg, source)
     import datasets
 
     fp = encoding_fingerprint(cfg, source, tokenizer_fp)
@@ -278,17 +287,12 @@ def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:
 
 
 def load_examples(cfg: DataConfig, tokenizer: Any = None) -> list[dict[str, Any]]:
-    """The usable raw rows of the configured source (bad rows skipped and reported, or failing per config)."""
+    """The usable raw rows of `data.path`, unencoded and unsplit, to inspect a source (bad rows skipped and reported,
+    or failing per config). Chat rows are checked only with a tokenizer (their rendering needs its template).
+    Examples to train or evaluate on come from `build_splits` / `all_examples`."""
     source = read_source(cfg, cfg.path, "data.path")
     rows = source.rows
-    if len(rows) == 0:
-        raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
-    missing = [c for c in required_columns(cfg) if c not in rows.column_names]
-    if missing:
-        raise ConfigError(
-            f"{source.name}: no column {missing[0]!r} ({field_key(cfg, missing[0])}); the data has columns "
-            f"{rows.column_names}. Map yours with e.g. {field_key(cfg, missing[0])}=<column>."
-        )
+    check_columns(cfg, source)
     kept, bad = [], []
     for i, row in enumerate(rows):
         try:
@@ -307,7 +311,8 @@ def load_examples(cfg: DataConfig, tokenizer: Any = None) -> list[dict[str, Any]
 
 
 def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """Seeded shuffle, then carve the validation split (a fraction < 1 or a count >= 1)."""
+    """Seeded shuffle, then carve the validation split (a fraction < 1 or a count >= 1). Called by `build_splits`:
+    the held-out split of a run is a function of its usable rows, `val_size` and `seed`."""
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     n_val = int(val_size) if val_size >= 1 else max(1, round(len(rows) * val_size))
@@ -339,6 +344,105 @@ def position_limit(tokenizer: Any) -> int | None:
     if isinstance(tok_limit, int) and tok_limit < 10**7:  # huge values are transformers' "unset" sentinel
         limit = min(limit, tok_limit) if limit else tok_limit
     return limit
+
+
+def check_position_limit(cfg: DataConfig, tokenizer: Any) -> None:
+    """Refuse a `data.max_seq_len` above the model's position limit: positions beyond it were never trained."""
+    limit = position_limit(tokenizer)
+    if limit is not None and cfg.max_seq_len > limit:
+        raise ConfigError(
+            f"data.max_seq_len={cfg.max_seq_len} is above the model's position limit ({limit}, "
+            "max_position_embeddings): positions beyond it were never trained and break the model; use "
+            f"data.max_seq_len={limit} or less"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- splits
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The training and held-out examples of a data config, encoded as training sees them, in split order.
+
+    Examples whose response was truncated away are dropped and counted; bad rows are skipped and counted (or fail,
+    per `data.on_bad_rows`).
+    """
+
+    train: list[Encoded]
+    val: list[Encoded]
+    # Per split: examples, kept, truncated, dropped, tokens, loss_tokens (see `_keep`).
+    train_stats: dict[str, int]
+    val_stats: dict[str, int]
+    bad_rows: int  # in data.path and data.val_path together
+    cache_files: list[str]  # the tokenisation cache files of data.path
+
+
+def build_splits(cfg: DataConfig, tokenizer: Any) -> Splits:
+    """The train / held-out examples of `cfg`, rendered per `data.format` and encoded as training encodes them.
+
+    The only place a data config becomes split examples: the DataModule trains and validates on these, and
+    `exp.evaluate` and `exp.merge` score the same held-out examples in the same order. The held-out split is the
+    usable rows of `data.val_path`, or `data.val_size` of the usable rows of `data.path` drawn with `data.seed`.
+    """
+    check_position_limit(cfg, tokenizer)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    rows, bad_rows, cache_files = _usable_encoded(cfg, cfg.path, "data.path", tokenizer, tokenizer_fp)
+    if cfg.val_path:
+        val_rows, val_bad_rows, _ = _usable_encoded(cfg, cfg.val_path, "data.val_path", tokenizer, tokenizer_fp)
+        train_split, val_split, bad_rows = rows, val_rows, bad_rows + val_bad_rows
+    else:
+        train_split, val_split = split_rows(rows, cfg.val_size, cfg.seed)
+    train, train_stats = _keep(train_split)
+    val, val_stats = _keep(val_split)
+    if not train or not val:
+        raise ConfigError(
+            f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
+            f"(train {len(train)}, val {len(val)} kept): raise data.max_seq_len"
+        )
+    return Splits(train, val, train_stats, val_stats, bad_rows, cache_files)
+
+
+def all_examples(cfg: DataConfig, tokenizer: Any, key: str = "data.path") -> list[Encoded]:
+    """Every usable row of `data.path` in source order, encoded as `build_splits` encodes it: a whole evaluation set,
+    no split. `key` is the argument that named the path, for messages."""
+    check_position_limit(cfg, tokenizer)
+    rows, _, _ = _usable_encoded(cfg, cfg.path, key, tokenizer, tokenizer_fingerprint(tokenizer))
+    kept, _ = _keep(rows)
+    if not kept:
+        raise ConfigError(
+            f"{key}={cfg.path}: no row keeps a response token at data.max_seq_len={cfg.max_seq_len}; raise "
+            "data.max_seq_len"
+        )
+    return kept
+
+
+def _usable_encoded(
+    cfg: DataConfig, path: str | None, key: str, tokenizer: Any, tokenizer_fp: str
+) -> tuple[list[Encoded], int, list[str]]:
+    """One source's usable rows, encoded (cached), in source order; how many rows were bad; the cache files."""
+    source = read_source(cfg, path, key)
+    encoded = encode_source(cfg, source, tokenizer, tokenizer_fp)
+    rows = _as_encoded(encoded)
+    usable = usable_rows(cfg, source, encoded)
+    return [rows[i] for i in usable], len(rows) - len(usable), [f["filename"] for f in encoded.cache_files]
+
+
+def _as_encoded(encoded) -> list[Encoded]:
+    cols = encoded.to_dict()
+    return [Encoded(*r) for r in zip(cols["input_ids"], cols["labels"], cols["truncated"], strict=True)]
+
+
+def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
+    """Drop rows whose response was truncated away (empty encodings), counting what happened."""
+    kept = [e for e in split if e.input_ids]
+    return kept, {
+        "examples": len(split),
+        "kept": len(kept),
+        "truncated": sum(e.truncated for e in split),
+        "dropped": len(split) - len(kept),
+        "tokens": sum(len(e.input_ids) for e in kept),
+        "loss_tokens": sum(loss_tokens(e) for e in kept),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- batching
@@ -506,7 +610,7 @@ def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
 
 
 class InstructionDataModule(L.LightningDataModule):
-    """Tokenised train / validation splits, batched with response-only labels (padded, length-grouped or packed)."""
+    """The splits of `build_splits`, batched: training padded, length-grouped or packed; validation padded."""
 
     def __init__(
         self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
@@ -516,37 +620,12 @@ class InstructionDataModule(L.LightningDataModule):
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
         # Micro-batches per optimiser step over all data-parallel ranks (accumulation x ranks).
         self.step_micro_batches = step_micro_batches
-        limit = position_limit(tokenizer)
-        if limit is not None and cfg.max_seq_len > limit:
-            raise ConfigError(
-                f"data.max_seq_len={cfg.max_seq_len} is above the model's position limit ({limit}, "
-                "max_position_embeddings): positions beyond it were never trained and break the model; use "
-                f"data.max_seq_len={limit} or less"
-            )
-        tokenizer_fp = tokenizer_fingerprint(tokenizer)
-        source = read_source(cfg, cfg.path, "data.path")
-        encoded = encode_source(cfg, source, tokenizer, tokenizer_fp)
-        self.encoded_cache_files = [f["filename"] for f in encoded.cache_files]
-        rows = _as_encoded(encoded)
-        usable = usable_rows(cfg, source, encoded)
-        n_bad = len(rows) - len(usable)
-        if cfg.val_path:
-            val_source = read_source(cfg, cfg.val_path, "data.val_path")
-            val_encoded = encode_source(cfg, val_source, tokenizer, tokenizer_fp)
-            val_rows = _as_encoded(val_encoded)
-            val_usable = usable_rows(cfg, val_source, val_encoded)
-            n_bad += len(val_rows) - len(val_usable)
-            train_split, val_split = [rows[i] for i in usable], [val_rows[i] for i in val_usable]
-        else:
-            train_split, val_split = split_rows([rows[i] for i in usable], cfg.val_size, cfg.seed)
-        self.train_set, train_stats = _keep(train_split)
-        self.val_set, val_stats = _keep(val_split)
-        self.stats: dict[str, Any] = {"train": train_stats, "val": val_stats, "bad_rows": n_bad}
-        if not self.train_set or not self.val_set:
-            raise ConfigError(
-                f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
-                f"(train {len(self.train_set)}, val {len(self.val_set)} kept): raise data.max_seq_len"
-            )
+        splits = build_splits(cfg, tokenizer)
+        self.train_set, self.val_set = splits.train, splits.val
+        self.encoded_cache_files = splits.cache_files
+        train_stats, val_stats, n_bad = splits.train_stats, splits.val_stats, splits.bad_rows
+        # Copies: the train entry gains this module's batching statistics, which are not a property of the split.
+        self.stats: dict[str, Any] = {"train": dict(train_stats), "val": dict(val_stats), "bad_rows": n_bad}
         self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
         self.stats["train"].update(self.train_batch_stats())
         log.info(
@@ -670,24 +749,6 @@ class InstructionDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(self.cfg.seed),
         )
-
-
-def _as_encoded(encoded) -> list[Encoded]:
-    cols = encoded.to_dict()
-    return [Encoded(*r) for r in zip(cols["input_ids"], cols["labels"], cols["truncated"], strict=True)]
-
-
-def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
-    """Drop rows whose response was truncated away (empty encodings), counting what happened."""
-    kept = [e for e in split if e.input_ids]
-    return kept, {
-        "examples": len(split),
-        "kept": len(kept),
-        "truncated": sum(e.truncated for e in split),
-        "dropped": len(split) - len(kept),
-        "tokens": sum(len(e.input_ids) for e in kept),
-        "loss_tokens": sum(loss_tokens(e) for e in kept),
-    }
 
 
 def build_datamodule(
