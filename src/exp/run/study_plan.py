@@ -28,6 +28,7 @@ from exp.hardware.preflight import PREFLIGHT_EXIT, Gpu, gpu_memory, visible_gpus
 from exp.run.compose import config_dict, to_typed
 from exp.run.job_cost import DEFAULT_HEADROOM, MemoryDemand, StepRecord, TimeEstimate, estimate_time, find_records
 from exp.run.job_cost import memory_demand as job_memory
+from exp.run.overrides import config_loader
 from exp.run.placement import JobDemand, Simulation, simulate
 from exp.run.sweep import SweepConflict, earlier_result
 
@@ -299,8 +300,6 @@ def print_plan(argv: list[str], caller: str, config_path: str, config_name: str)
     the launch would stop."""
     from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
-
-    from exp.run.overrides import config_loader
 
     args, _ = get_args_parser().parse_known_args(argv)
     loader = config_loader(args, caller, config_path)
