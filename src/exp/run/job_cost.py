@@ -132,8 +132,27 @@ def run_record(run: Path) -> StepRecord | None:
     gpus = manifest.get("hardware", {}).get("gpus") or []
     device = gpus[0] if str(summary.get("device", "cpu")).startswith("cuda") and gpus else "cpu"
     tokens = int(cfg.trainer.global_batch_size) * int(cfg.data.max_seq_len)
-    overhead = max(0.0, float(summary["seconds"]) - step_s * int(summary["steps"]))
+    # The summary's seconds start inside the job; the launcher's measure (placements.jsonl beside the job) also
+    # holds the process's start (interpreter, imports), which a study pays per job too.
+    seconds = _launcher_seconds(run) or float(summary["seconds"])
+    overhead = max(0.0, seconds - step_s * int(summary["steps"]))
     return StepRecord(str(run), str(cfg.model.name), device, tokens, float(step_s), overhead)
+
+
+def _launcher_seconds(run: Path) -> float | None:
+    """The job's wall-clock as the `gpus` launcher measured it (its last `end` line), None without one."""
+    path = run.parent / "placements.jsonl"
+    if not path.is_file():
+        return None
+    seconds = None
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "end" and event.get("job") == run.name and event.get("status") == "completed":
+            seconds = event.get("seconds")
+    return float(seconds) if seconds else None
 
 
 def bench_records(folder: Path = BENCH_RESULTS) -> list[StepRecord]:
