@@ -22,6 +22,11 @@
 #   profile7b    exp.bench headline with profile=true: exp as hardware=gpu runs it, and without kept dequantized
 #                weights; the baseline from $BENCH_REFERENCE (a bench7b JSON of the same settings) when given
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
+#   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
+#                1e-4/2e-4 x seeds=4, 100 steps each), its --plan, then packed by memory on GPU 0, then the same
+#                sweep one job at a time in what is left of the stage's time (the wall-clock of the jobs it did not
+#                reach is extrapolated from the ones it did, and said so); nvidia-smi sampled once a second during
+#                both; exp.report of each; each job's final val/loss packed vs alone (study_compare.json)
 #
 # Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
 # calibration JSON/Markdown, pytest and command logs, run summaries). Each stage has a time limit
@@ -136,6 +141,8 @@ run_stage() {
         variant="exp hardware.auto_dequantized_layers=false" variant=exp ;;
     bench512)
       stage bench512 420 "${BENCH[@]}" seq=512 micro_batch=32 steps=12 variant=baseline variant=exp ;;
+    study)
+      stage study 560 bash benchmarks/study_check.sh "$WORK/study" "$ALPACA" ;;
     *) log "unknown stage $1"; status=1 ;;
   esac
 }

@@ -114,9 +114,11 @@ def cli_check(args: list[str]):
     import exp.train
     from exp.core.config import ConfigError
     from exp.core.secrets import mask_secrets
-    from exp.run.overrides import check_command_line
+    from exp.run.overrides import check_command_line, expand_seeds
 
-    problems, _ = check_command_line(args, exp.train.__file__, str(exp.run.compose.CONF_DIR), "train")
+    args, problems = expand_seeds([a for a in args if a != "--plan"])  # as exp.train's command line does first
+    if not problems:
+        problems, _ = check_command_line(args, exp.train.__file__, str(exp.run.compose.CONF_DIR), "train")
     if problems:
         return "exp: error: " + mask_secrets("\n".join(problems)), None
     parsed = get_args_parser().parse_args(args)
@@ -161,6 +163,10 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
             exp.train._cli()
         assert stop.value.code == 2 and capsys.readouterr().err.strip() == expected
         return
+    from exp.run.overrides import expand_seeds
+
+    if not expected.startswith("exp: error:"):
+        args, _ = expand_seeds([a for a in args if a != "--plan"])  # the sweep exp.train runs (or plans)
     message, cfg = cli_check(args)
     if expected.startswith("exp: error:"):
         assert message == expected

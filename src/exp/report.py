@@ -5,6 +5,13 @@ works while a sweep is running (unfinished jobs show as `running`, or `interrupt
 after jobs failed (`failed` with the error).
 Writes report.md, report.csv and PNG plots (loss curves of all jobs; the metric against each swept parameter) into
 the sweep or run directory it is given, or `out=` (required for several paths): never the current directory.
+
+Seeds: jobs that differ only in their seed (`seeds=N`, or trainer.seed swept) are repeats of one configuration.
+Each configuration gets the mean, standard deviation and 95% interval of its final metric over its seeds, and a
+mark where it differs from the best by more than the seed noise (exp.run.study_stats says which test);
+configurations.csv holds the same, loss_curves_by_config.png the mean training loss with a band of one standard
+deviation. A sweep launched by `hydra/launcher=gpus` also gets its plan compared with what happened
+(placements.jsonl: estimated memory and time per job, and the study's wall-clock).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from pathlib import Path
 from exp.core.cli import Key, Parsed, Tool, run_tool
 from exp.core.config import ConfigError
 from exp.run.dirs import RunLayout, read_status, run_state
+from exp.run.overrides import SEED_KEYS
+from exp.run.study_stats import TEST_NAME, ConfigStats, best_of, compare_with_best
 
 TOOL = Tool(
     "exp.report",
@@ -159,7 +168,7 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(out / "loss_curves.png")
     done = [r for r in rows if r.final is not None]
-    for key in swept_keys(rows):
+    for key in [k for k in swept_keys(rows) if k not in SEED_KEYS]:  # a seed is no parameter to plot against
         points = [(r.overrides.get(key), r.final) for r in done if key in r.overrides]
         try:
             xs = [float(x) for x, _ in points]
@@ -174,6 +183,153 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
         plt.close(fig)
         written.append(name)
     return written
+
+
+def config_label(row: JobRow, swept: list[str]) -> str:
+    """A configuration: the swept values of a job except its seed ("-" when the seed is all that varies)."""
+    return ",".join(f"{k}={row.overrides.get(k, '')}" for k in swept if k not in SEED_KEYS) or "-"
+
+
+def config_groups(rows: list[JobRow]) -> dict[str, list[JobRow]]:
+    """The completed jobs with a final metric, by configuration (repeats with other seeds together)."""
+    swept = swept_keys(rows)
+    groups: dict[str, list[JobRow]] = {}
+    for r in rows:
+        if r.status == "completed" and r.final is not None:
+            groups.setdefault(config_label(r, swept), []).append(r)
+    return groups
+
+
+def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str], list[list[str]], list[str]]:
+    """Header, rows (best first) and the lines that say what the marks mean."""
+    stats = [ConfigStats(label, [r.final for r in rs if r.final is not None]) for label, rs in groups.items()]
+    if not stats:
+        return [], [], []
+    best = best_of(stats)
+    verdicts = {c.config: c for c in compare_with_best(stats)}
+    header = ["configuration", "seeds", f"mean {metric}", "std", "95% interval", "vs best", "p (Holm)"]
+    body = []
+    for st in sorted(stats, key=lambda g: (g.mean, g.config)):
+        interval = st.interval
+        c = verdicts.get(st.config)
+        if st is best:
+            verdict, p = "best", "-"
+        elif c is None or c.p_holm is None:
+            verdict, p = "untested", "-"
+        else:
+            verdict, p = ("differs" if c.differs else "within noise"), f"{c.p_holm:.3g}"
+        body.append(
+            [
+                st.config,
+                str(st.n),
+                f"{st.mean:.4g}",
+                _fmt(st.std),
+                f"[{interval[0]:.4g}, {interval[1]:.4g}]" if interval else "-",
+                verdict,
+                p,
+            ]
+        )
+    notes = []
+    if all(st.n < 2 for st in stats):
+        notes.append(
+            "one seed per configuration: no standard deviation, interval or test (the seed noise cannot be measured "
+            "from one run; repeat every configuration with seeds=N)"
+        )
+    else:
+        notes.append(f"differs / within noise: {TEST_NAME}; 95% interval: Student's t over the seeds")
+        if any(st.n < 2 for st in stats):
+            notes.append("untested: a configuration with one completed seed has no spread to test against")
+    return header, body, notes
+
+
+def plot_configs(groups: dict[str, list[JobRow]], out: Path) -> Path:
+    """Mean training loss per configuration over its seeds, with a band of +-1 standard deviation."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rs in sorted(groups.items()):
+        curves = [dict(r.curve) for r in rs if r.curve]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        values = np.array([[c[s] for s in steps] for c in curves])
+        mean = values.mean(axis=0)
+        (line,) = ax.plot(steps, mean, label=f"{label} (n={len(curves)})")
+        if len(curves) > 1:
+            std = values.std(axis=0, ddof=1)
+            ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.25)
+    one = all(len(rs) < 2 for rs in groups.values())
+    title = "training loss per configuration" + (" (one seed each: no band)" if one else ", mean ± 1 sd over seeds")
+    ax.set(xlabel="step", ylabel="train/loss", title=title)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    path = out / "loss_curves_by_config.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plan_comparison(sweep_dir: Path) -> list[str]:
+    """The last launch's plan (placements.jsonl, written by hydra/launcher=gpus) against what happened."""
+    path = sweep_dir / "placements.jsonl"
+    if not path.is_file():
+        return []
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    plans = [e for e in events if e.get("event") == "plan"]
+    if not plans:
+        return []
+    plan = plans[-1]
+    mine = [e for e in events if e.get("launch") == plan.get("launch")]
+    ends = {e["job"]: e for e in mine if e.get("event") == "end"}
+    starts = {e["job"]: e for e in mine if e.get("event") == "start"}
+    lines = [
+        f"plan vs what happened (placements.jsonl, launch {plan.get('launch')}, {plan.get('launcher')} on "
+        f"{', '.join(f'{g}: {m} GiB' for g, m in plan.get('gpus', {}).items())}):"
+    ]
+    header = ["job", "GPU", "est. GiB", "est. allocated", "peak GiB", "est. s", "actual s", "status"]
+    rows = []
+    for job in plan.get("jobs", []):
+        if not job.get("runs"):
+            continue
+        end, start = ends.get(job["job"], {}), starts.get(job["job"], {})
+        rows.append(
+            [
+                _job_label(job["job"]),
+                str(start.get("gpu", "-")),
+                _fmt(job.get("estimate_gib")),
+                _fmt(job.get("estimate_allocated_gib")),
+                _fmt(end.get("peak_gib")),
+                _fmt(job.get("job_s")),
+                _fmt(end.get("seconds")),
+                str(end.get("status", "not ended")),
+            ]
+        )
+    if rows:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lo, hi = plan.get("wall_clock_s", [None, None])
+    actual = next((e["wall_clock_s"] for e in mine if e.get("event") == "launch_end"), None)
+    unknown = len(plan.get("without_time") or [])
+    estimate = "unknown" if unknown and not lo else f"{lo:.0f} to {hi:.0f} s" if hi != lo else f"{lo:.0f} s"
+    if unknown:
+        estimate += f" ({unknown} job(s) without a recorded throughput not counted)"
+    lines.append(f"  wall-clock: estimated {estimate}; actual {_fmt(actual)} s")
+    lines.append(
+        "  peak GiB is torch.cuda.max_memory_allocated (compare with est. allocated; est. GiB adds the CUDA context "
+        "and allocator slack); '-' on the CPU"
+    )
+    backoffs = [e for e in mine if e.get("event") == "backoff"]
+    for b in backoffs:
+        lines.append(
+            f"  back-off: GPU {b['gpu']} after {_job_label(b['job'])} ran out of memory: {b['capacity_before_gib']} -> "
+            f"{b['capacity_after_gib']} GiB"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,12 +367,33 @@ def _report(args: Parsed) -> int:
         if r.status == "failed":
             print(f"failed {r.name}: {r.error.splitlines()[0] if r.error else ''}")
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(b) + " |" for b in body]
-    (out / "report.md").write_text("\n".join(md) + "\n")
     with (out / "report.csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *body])
+    groups = config_groups(rows)
+    c_header, c_body, notes = config_table(groups, metric)
+    if c_body:
+        print()
+        widths = [max(len(h), *(len(b[i]) for b in c_body)) for i, h in enumerate(c_header)]
+        print("  ".join(h.ljust(w) for h, w in zip(c_header, widths, strict=True)))
+        for b in c_body:
+            print("  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)))
+        for note in notes:
+            print(note)
+        md += ["", "| " + " | ".join(c_header) + " |", "|" + "---|" * len(c_header)]
+        md += ["| " + " | ".join(b) + " |" for b in c_body] + [""] + notes
+        with (out / "configurations.csv").open("w", newline="") as f:
+            csv.writer(f).writerows([c_header, *c_body])
+    comparison = [line for p in paths for line in plan_comparison(p)]
+    if comparison:
+        print()
+        print("\n".join(comparison))
+        md += ["", "```", *comparison, "```"]
+    (out / "report.md").write_text("\n".join(md) + "\n")
     for png in plot(rows, metric, out):
         print(f"wrote {png}")
-    print(f"wrote {out / 'report.md'} and {out / 'report.csv'}")
+    if groups:
+        print(f"wrote {plot_configs(groups, out)}")
+    print(f"wrote {out / 'report.md'} and {out / 'report.csv'}" + (" and configurations.csv" if c_body else ""))
     return 0
 
 

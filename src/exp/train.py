@@ -31,7 +31,7 @@ from exp.run.dirs import (
     release_runs,
     shared_launch_id,
 )
-from exp.run.overrides import check_command_line, with_run_dir
+from exp.run.overrides import check_command_line, expand_seeds, with_run_dir
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, guarded
 
 if TYPE_CHECKING:
@@ -116,11 +116,19 @@ def _cli() -> None:
         os.environ[LAUNCH_ID_ENV] = launch
         if not any(a.lstrip("+").split("=", 1)[0] == "hydra.run.dir" for a in argv):
             argv = [*argv, f"hydra.run.dir=outputs/{launch}"]
-    # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
-    problems, sys.argv[1:] = check_command_line(argv, __file__, str(CONF_DIR), "train", launch)
+    plan = "--plan" in argv  # the study's jobs, memory, placement and time; nothing runs
+    argv = [a for a in argv if a != "--plan"]
+    argv, problems = expand_seeds(argv)
+    if not problems:
+        # Checked and composed before Hydra starts: Hydra instantiates callbacks and writes the run directory first.
+        problems, sys.argv[1:] = check_command_line(argv, __file__, str(CONF_DIR), "train", launch)
     if problems:
         print("exp: error: " + mask_secrets("\n".join(problems)), file=sys.stderr)
         sys.exit(2)
+    if plan:
+        from exp.run.study_plan import print_plan  # composes every job: only for --plan
+
+        sys.exit(print_plan(argv, __file__, str(CONF_DIR), "train"))
     if launch:
         from exp.training.launch import end_rank  # Lightning, for the ranks of torchrun / SLURM only
 

@@ -151,6 +151,61 @@ def _nvidia_smi() -> dict:
     return info
 
 
+def visible_gpus() -> tuple[list[str], str]:
+    """The GPU ids a launcher in this process may hand out (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`), and where
+    they were counted (for a message when there are none). CUDA is not touched."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [d.strip() for d in cvd.split(",") if d.strip()], f"CUDA_VISIBLE_DEVICES is {cvd!r}"
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [], "CUDA_VISIBLE_DEVICES is not set and there is no nvidia-smi (no NVIDIA driver)"
+    out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30).stdout
+    gpus = [str(i) for i, _ in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
+    return gpus, "`nvidia-smi -L` lists no GPU"
+
+
+@dataclass
+class GpuMemory:
+    """One GPU as NVML lists it: the ids CUDA_VISIBLE_DEVICES may name it by, and its memory now."""
+
+    index: str
+    uuid: str
+    name: str
+    total_bytes: int
+    free_bytes: int
+    capability: tuple[int, int]
+
+
+def gpu_memory() -> list[GpuMemory]:
+    """Every GPU's total and free memory from NVML (nvidia-smi), without touching CUDA: what a launcher that packs
+    several jobs onto one GPU plans with. Empty without a driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    query = "index,uuid,name,memory.total,memory.free,compute_cap"
+    try:
+        out = subprocess.run(
+            [exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for row in out.strip().splitlines():
+        parts = [p.strip() for p in row.split(",")]
+        if len(parts) != 6:
+            continue
+        try:
+            major, minor = (int(x) for x in parts[5].split("."))
+            mib = 2**20
+            found.append(
+                GpuMemory(parts[0], parts[1], parts[2], int(parts[3]) * mib, int(parts[4]) * mib, (major, minor))
+            )
+        except ValueError:
+            continue
+    return found
+
+
 def probe_environment(check_bitsandbytes: bool = False, need_gpus: bool = True) -> Environment:
     """Facts about this process's view of the hardware; CUDA is initialised only in a throw-away subprocess."""
     import multiprocessing

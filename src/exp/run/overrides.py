@@ -104,6 +104,47 @@ def unknown_keys(config: dict[str, Any], schema: type = TrainConfig, path: str =
     return problems
 
 
+# --- `seeds=N`: every configuration of a sweep, N times ---------------------------------------------------------
+
+# What a seed repeat varies: everything Lightning seeds (dropout, ...) and the adapters' initialisation. The data
+# order stays: data.seed also draws the validation split, and repeats compared on different held-out sets would
+# mix the split's noise into the seed noise.
+SEED_KEYS = ("trainer.seed", "lora.init_seed")
+
+
+def expand_seeds(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`seeds=N` -> `trainer.seed=range(N)` with `lora.init_seed` following it; (arguments, problems)."""
+    given = [a for a in argv if a.split("=", 1)[0] == "seeds"]
+    if not given:
+        return argv, []
+    value = given[-1].split("=", 1)[1]
+    keys = {a.lstrip("+").split("=", 1)[0] for a in argv}
+    if not value.isdigit() or int(value) < 1:
+        return argv, [
+            f"seeds={value}: the number of seeds to repeat every configuration with, a whole number >= 1 (seeds 0 to "
+            "N-1), e.g. seeds=3; for other seeds sweep trainer.seed itself, e.g. trainer.seed=11,12,13."
+        ]
+    if not {"-m", "--multirun"} & set(argv):
+        return argv, [
+            f"seeds={value} repeats every configuration of a sweep: add -m (python -m exp.train -m seeds={value} ...)."
+        ]
+    if clash := sorted(keys & set(SEED_KEYS)):
+        return argv, [
+            f"seeds={value} with {', '.join(clash)} on the same command line: seeds=N sets trainer.seed to 0..N-1 and "
+            "lora.init_seed to follow it. Fix: drop one of them (sweep trainer.seed=... yourself for other seeds)."
+        ]
+    rest = [a for a in argv if a.split("=", 1)[0] != "seeds"]
+    # lora.init_seed follows trainer.seed by interpolation; left out of the job directories' names, which would
+    # otherwise carry a literal `${trainer.seed}` (the seed is in them as trainer.seed). A command line's own
+    # exclusion list is extended; one from a config file would be replaced, so it is extended here too.
+    exclude = "hydra.job.config.override_dirname.exclude_keys"
+    given_exclude = [a for a in rest if a.split("=", 1)[0] == exclude]
+    keys_excluded = given_exclude[-1].split("=", 1)[1].strip("[]") if given_exclude else ""
+    rest = [a for a in rest if a.split("=", 1)[0] != exclude]
+    excluded = ",".join(filter(None, [keys_excluded, "lora.init_seed"]))
+    return [*rest, f"trainer.seed=range({value})", "lora.init_seed=${trainer.seed}", f"{exclude}=[{excluded}]"], []
+
+
 # --- the whole command line, composed as Hydra will compose it --------------------------------------------------
 
 
@@ -192,16 +233,12 @@ def with_run_dir(argv: list[str], run_dir: Path) -> list[str]:
     return [*keep, f'hydra.run.dir="{quoted}"']
 
 
-def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mode: Any) -> list:
-    """The config Hydra will compose (as `_run_hydra` builds it), plus one per choice of a swept config group
-    (`experiment=a,b`): the files a sweep selects are instantiated from too."""
+def config_loader(args: Any, caller: str, config_path: str) -> Any:
+    """Hydra's config loader as `_run_hydra` builds it for these parsed arguments (--config-dir included)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.utils import setup_globals
-    from hydra.errors import MissingConfigException
-    from hydra.types import RunMode
 
     setup_globals()  # the ${now:...} resolver of run directory names
     search_path = create_automatic_config_search_path(caller, None, args.config_path or config_path)
@@ -210,7 +247,17 @@ def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mod
         if not os.path.isdir(config_dir):
             raise FileNotFoundError(f"--config-dir {args.config_dir}: {config_dir} is not a directory")
         search_path.prepend("command-line", f"file://{config_dir}", anchor=SearchPathQuery(provider="schema"))
-    loader = ConfigLoaderImpl(config_search_path=search_path)
+    return ConfigLoaderImpl(config_search_path=search_path)
+
+
+def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mode: Any) -> list:
+    """The config Hydra will compose (as `_run_hydra` builds it), plus one per choice of a swept config group
+    (`experiment=a,b`): the files a sweep selects are instantiated from too."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import MissingConfigException
+    from hydra.types import RunMode
+
+    loader = config_loader(args, caller, config_path)
     name = args.config_name or config_name
 
     def compose(overrides: list[str]):

@@ -153,6 +153,13 @@ def final_metric(run_dir: Path) -> float:
         return float("inf")
 
 
+def ran_out_of_memory(run_dir: Path) -> bool:
+    """The job failed for memory: CUDA ran out during the run, or its preflight found less free memory than its
+    estimate (another process held what the launcher had planned for)."""
+    error = read_status(run_dir).get("error", "")
+    return bool(re.search(r"out of memory|OutOfMemory|\[memory\]", error, re.IGNORECASE))
+
+
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Every run directory of a sweep (a job's retries included), in name order."""
     return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and RunLayout(p).is_run())

@@ -156,6 +156,7 @@ class QLoRAModule(L.LightningModule):
         self._step_tokens = 0
         self._batch_tokens = 0  # real tokens of the next training batch, counted before its transfer
         self.step_tokens_per_s: list[float] = []
+        self.step_seconds: list[float] = []  # per optimiser step: what a study plan's time estimate reads
         # Resume state (saved in every checkpoint under "exp"): micro-batches this rank has trained on (the data
         # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
         self.batches_seen = 0
@@ -278,6 +279,7 @@ class QLoRAModule(L.LightningModule):
         # Real (non-padding) input tokens per second over the optimiser step just finished.
         tokens_per_s = self._step_tokens / elapsed
         self.step_tokens_per_s.append(tokens_per_s)
+        self.step_seconds.append(elapsed)
         self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
         if self.device.type == "cuda":
             self.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
@@ -286,9 +288,11 @@ class QLoRAModule(L.LightningModule):
     def throughput_summary(self) -> dict[str, float | None]:
         """Median tokens/s over the steps after the first two (warm-up: allocator, kernels) and peak memory."""
         timed = self.step_tokens_per_s[2:] or self.step_tokens_per_s
+        seconds = self.step_seconds[2:] or self.step_seconds
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return {
             "tokens_per_s_median": round(statistics.median(timed), 1) if timed else None,
+            "step_seconds_median": round(statistics.median(seconds), 4) if seconds else None,
             "peak_memory_gib": round(peak, 2) if peak is not None else None,
         }
 

@@ -82,9 +82,15 @@ def plan_sweep_job(dcfg: DictConfig, job_dir: Path, sweep_dir: Path, launch_dir:
         sys.exit(2)
 
 
-def start_sweep_job(job: SweepJob, record: DictConfig, run_name: str, group: str) -> Path | None:
+def start_sweep_job(
+    job: SweepJob, record: DictConfig, run_name: str, group: str, memory_budget_gib: float | None = None
+) -> Path | None:
     """Claim the job's run directory and write its records (Hydra's, redacted; the job's config and fingerprint);
-    None when the config failed its checks, recorded there as a failed job."""
+    None when the config failed its checks, recorded there as a failed job.
+
+    `memory_budget_gib`: the GPU memory a packing launcher gave the job (hardware.memory_budget_gib of the config it
+    runs, when the config sets none). A placement, like CUDA_VISIBLE_DEVICES: the fingerprint is of the config the
+    job was asked to run, so a re-launch placed otherwise still reuses it."""
 
     run_dir = claim_run_dir(job.job_dir)  # an earlier failed attempt keeps its files
     write_hydra_record(record, run_dir)
@@ -97,6 +103,8 @@ def start_sweep_job(job: SweepJob, record: DictConfig, run_name: str, group: str
     job.cfg.logger.run_name = job.cfg.logger.run_name or run_name or run_dir.name
     job.cfg.logger.group = job.cfg.logger.group or group
     record_job(run_dir, config_dict(job.cfg))
+    if memory_budget_gib is not None and job.cfg.hardware.memory_budget_gib is None:
+        job.cfg.hardware.memory_budget_gib = memory_budget_gib
     write_run_config(job.cfg, run_dir)
     write_status(run_dir, "running")
     return run_dir

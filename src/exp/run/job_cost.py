@@ -1,0 +1,191 @@
+"""What one sweep job will cost before it runs: its memory on a GPU (exp's estimator, on the config the job's own
+preflight will resolve) and its time (from the throughput earlier runs and benchmarks recorded). Torch-free.
+
+Memory. On a GPU the preflight turns `auto` choices (micro-batch, recomputed layers, kept dequantized weights)
+into the largest that fit the memory it may plan for, so a job's memory depends on that budget. A job of a packed
+sweep gets a budget of its own: its `hardware.memory_budget_gib` when the config sets one, else the estimate of
+the config resolved as if it had the whole GPU. The launcher passes that budget to the job (config.yaml), so the
+job's preflight makes the same choices within it and never plans into memory another job holds; the budget is
+a placement, like CUDA_VISIBLE_DEVICES, and stays out of the job's fingerprint (exp.run.sweep). The reservation
+the packer counts is the estimate plus `headroom` (a fraction of it): room for the estimator's error and the
+allocator's fragmentation, which the single-run preflight keeps as a share of the free memory.
+
+Time. A step's time is taken from the closest record of the same model on the same kind of device (GPU name, or
+"cpu"), scaled by the tokens per optimiser step (global batch x max_seq_len); a run record also gives the time
+outside the steps (start-up, evaluations, saving). Records: completed runs (summary.json with
+`step_seconds_median`) under the directories searched, and exp.bench results (benchmarks/results/bench-*.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from exp.core.config import Accelerator, TrainConfig
+from exp.hardware.memory import GiB, estimate_for_config
+from exp.hardware.preflight import Environment, Gpu, check
+from exp.run.dirs import RunLayout, read_status
+
+# The reservation's margin over the estimate. The estimator's allocated peak was within +0.6% of the H200
+# measurements (docs/bench.md); the caching allocator's fragmentation with several processes on one GPU has not
+# been measured, so the margin matches the single-run preflight's AUTO_CHECKPOINT_HEADROOM.
+DEFAULT_HEADROOM = 0.10
+BENCH_RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
+@dataclass
+class MemoryDemand:
+    """A job's memory on one kind of GPU (or on the CPU, where nothing is packed)."""
+
+    estimate_bytes: int  # MemoryEstimate.total of the resolved config: what the device must hold
+    allocated_bytes: int  # MemoryEstimate.allocated: comparable with the summary's peak_memory_gib
+    reserve_bytes: int  # estimate plus headroom: what the packer counts against the GPU
+    budget_gib: float | None  # hardware.memory_budget_gib the job runs with (None: left as the config says)
+    choices: str  # what the preflight resolves, in words
+    problem: str = ""  # why the job cannot run on this GPU (the preflight's finding)
+
+
+def memory_demand(cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_HEADROOM) -> MemoryDemand:
+    """The job's memory as its preflight will resolve it on `gpu` (None or a CPU config: the config as it is)."""
+    if gpu is None or cfg.hardware.accelerator == Accelerator.cpu:
+        est = estimate_for_config(cfg)
+        return MemoryDemand(est.total, est.allocated, int(est.total * (1 + headroom)), None, _choices(cfg))
+    trial = copy.deepcopy(cfg)
+    own_budget = trial.hardware.memory_budget_gib
+    # As if alone on the GPU: the job's budget then comes from the config, not from what others hold now, so a
+    # re-launch makes the same choices.
+    env = Environment(torch_cuda="probe", gpus=[Gpu(gpu.name, gpu.total_bytes, gpu.total_bytes, gpu.capability)])
+    result = check(trial, env)
+    resolved = result.cfg
+    est = estimate_for_config(resolved)
+    problem = "; ".join(f.message.splitlines()[0] for f in result.findings)
+    budget = own_budget if own_budget is not None else math.ceil(est.total / GiB * 100) / 100
+    return MemoryDemand(
+        est.total, est.allocated, int(est.total * (1 + headroom)), budget, _choices(resolved), problem=problem
+    )
+
+
+def _choices(cfg: TrainConfig) -> str:
+    hw = cfg.hardware
+    layers = cfg.model.arch.get("num_hidden_layers", "?")
+    recomputed = (
+        0 if not hw.gradient_checkpointing else layers if hw.checkpoint_layers is None else hw.checkpoint_layers
+    )
+    kept = f", {hw.dequantized_layers} kept dequantized" if hw.dequantized_layers else ""
+    return f"micro-batch {hw.micro_batch_size}, {recomputed}/{layers} layers recomputed{kept}"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """A measured step time of one model on one kind of device."""
+
+    source: str  # the run directory or benchmark file it comes from
+    model: str
+    device: str  # GPU name, or "cpu"
+    tokens_per_step: int  # global batch x max_seq_len: what a step computes at most (batches are padded)
+    step_s: float  # median seconds per optimiser step
+    overhead_s: float  # the run's wall-clock outside its steps (0 for a benchmark row)
+
+
+@dataclass
+class TimeEstimate:
+    step_s: float | None
+    job_s: float | None
+    source: str  # which record, or why there is none
+
+
+def tokens_per_step(cfg: TrainConfig) -> int:
+    return cfg.trainer.global_batch_size * cfg.data.max_seq_len
+
+
+def estimate_time(cfg: TrainConfig, device: str, records: list[StepRecord]) -> TimeEstimate:
+    """Seconds per step and for the whole job from the record closest in tokens per step (same model, device)."""
+    same = [r for r in records if r.model == cfg.model.name and r.device == device]
+    if not same:
+        return TimeEstimate(None, None, f"no recorded run of {cfg.model.name} on {device}")
+    tokens = tokens_per_step(cfg)
+    # Runs first (they hold the time outside the steps), then the nearest size.
+    best = min(same, key=lambda r: (r.overhead_s == 0, abs(math.log(tokens / r.tokens_per_step)), r.source))
+    step = best.step_s * tokens / best.tokens_per_step
+    return TimeEstimate(step, best.overhead_s + step * cfg.trainer.max_steps, best.source)
+
+
+def run_record(run: Path) -> StepRecord | None:
+    """The step time a completed run recorded (None: not completed, or written before exp recorded step times)."""
+    layout = RunLayout(run)
+    if read_status(run).get("status") != "completed" or not layout.summary.exists():
+        return None
+    try:
+        summary = json.loads(layout.summary.read_text())
+        cfg = OmegaConf.load(layout.config)
+        manifest = json.loads(layout.manifest.read_text()) if layout.manifest.exists() else {}
+    except (OSError, ValueError):
+        return None
+    step_s = summary.get("step_seconds_median")
+    if not step_s or not summary.get("steps"):
+        return None
+    gpus = manifest.get("hardware", {}).get("gpus") or []
+    device = gpus[0] if str(summary.get("device", "cpu")).startswith("cuda") and gpus else "cpu"
+    tokens = int(cfg.trainer.global_batch_size) * int(cfg.data.max_seq_len)
+    # The summary's seconds start inside the job; the launcher's measure (placements.jsonl beside the job) also
+    # holds the process's start (interpreter, imports), which a study pays per job too.
+    seconds = _launcher_seconds(run) or float(summary["seconds"])
+    overhead = max(0.0, seconds - step_s * int(summary["steps"]))
+    return StepRecord(str(run), str(cfg.model.name), device, tokens, float(step_s), overhead)
+
+
+def _launcher_seconds(run: Path) -> float | None:
+    """The job's wall-clock as the `gpus` launcher measured it (its last `end` line), None without one."""
+    path = run.parent / "placements.jsonl"
+    if not path.is_file():
+        return None
+    seconds = None
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "end" and event.get("job") == run.name and event.get("status") == "completed":
+            seconds = event.get("seconds")
+    return float(seconds) if seconds else None
+
+
+def bench_records(folder: Path = BENCH_RESULTS) -> list[StepRecord]:
+    """exp.bench results: the `exp` rows (the framework's own path) of each benchmark file."""
+    found = []
+    for path in sorted(folder.glob("bench-*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        settings = data.get("settings", {})
+        for row in data.get("rows", []):
+            if row.get("side") != "exp" or row.get("status") != "ok" or not row.get("step_s_median"):
+                continue
+            tokens = int(row["micro_batch"]) * int(row.get("accumulate") or 1) * int(settings["seq"])
+            found.append(
+                StepRecord(path.name, str(settings["model"]), str(data.get("device")), tokens, row["step_s_median"], 0)
+            )
+    return found
+
+
+def find_records(folders: list[Path]) -> list[StepRecord]:
+    """Step times of the completed runs in `folders` (a run, a sweep, outputs/ or multirun/: three levels deep),
+    and exp.bench's results."""
+    records: list[StepRecord] = []
+    seen: set[Path] = set()
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for depth in range(4):
+            for summary in folder.glob("/".join(["*"] * depth + ["summary.json"])):
+                run = summary.parent.resolve()
+                if run not in seen and (record := run_record(run)) is not None:
+                    seen.add(run)
+                    records.append(record)
+    return records + bench_records()
