@@ -390,7 +390,7 @@ def test_the_project_configs_pass_the_allow_list(tmp_path: Path, monkeypatch: py
 
 def test_a_run_aimed_at_a_finished_run_goes_next_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     from exp.run.dirs import release_runs
-    from exp.train import claim_pinned_run_dir
+    from exp.run.overrides import claim_pinned_run_dir
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "done").mkdir()

@@ -31,7 +31,7 @@ from exp.run.dirs import (
     release_runs,
     shared_launch_id,
 )
-from exp.run.overrides import check_command_line, expand_seeds, with_run_dir
+from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, guarded
 
 if TYPE_CHECKING:
@@ -103,19 +103,12 @@ def cli() -> None:
 def _cli() -> None:
     argv = ["verbose=true" if a in VERBOSE_FLAGS else a for a in sys.argv[1:]]
     launch = shared_launch_id() if not {"-m", "--multirun"} & set(argv) else None
-    if launch is not None:
-        # One rank of a torchrun / SLURM launch: every rank must write into one run directory.
-        if not launch:
-            print(
-                "exp: error: this is one of several processes started by torchrun, which gives them no shared "
-                "launch id (TORCHELASTIC_RUN_ID=none), so they cannot agree on a run directory. Start torchrun with "
-                "--standalone (one machine) or --rdzv-id=<id> (several machines), or run under SLURM (srun).",
-                file=sys.stderr,
-            )
-            sys.exit(2)
-        os.environ[LAUNCH_ID_ENV] = launch
-        if not any(a.lstrip("+").split("=", 1)[0] == "hydra.run.dir" for a in argv):
-            argv = [*argv, f"hydra.run.dir=outputs/{launch}"]
+    try:
+        if launch is not None:  # one rank of a torchrun / SLURM launch: every rank writes into one run directory
+            argv = join_launch(argv, launch)
+    except ConfigError as e:
+        print(f"exp: error: {e}", file=sys.stderr)
+        sys.exit(2)
     plan = "--plan" in argv  # the study's jobs, memory, placement and time; nothing runs
     argv = [a for a in argv if a != "--plan"]
     argv, problems = expand_seeds(argv)
@@ -133,25 +126,12 @@ def _cli() -> None:
         from exp.training.launch import end_rank  # Lightning, for the ranks of torchrun / SLURM only
 
         end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
-    sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
-    main()
-
-
-def claim_pinned_run_dir(argv: list[str]) -> list[str]:
-    """Claim the run directory `check_command_line` pinned (a sweep pins none) before Hydra writes into it: a
-    directory holding a run, or being claimed by a launch started at the same moment, gives way to `<dir>_N`."""
-    pinned = [a for a in argv if a.startswith('hydra.run.dir="')]
-    if not pinned:
-        return argv
-    wanted = Path(pinned[-1].split("=", 1)[1][1:-1].replace('\\"', '"').replace("\\\\", "\\"))
     try:
-        claimed = claim_run_dir(wanted)
+        sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
     except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if claimed != wanted:
-        print(f"exp: {wanted} already holds a run; this one goes to {claimed}", file=sys.stderr)
-    return with_run_dir(argv, claimed)
+    main()
 
 
 if __name__ == "__main__":

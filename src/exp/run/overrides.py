@@ -14,6 +14,7 @@ import difflib
 import enum
 import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,10 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from exp.core.cli import flag_value, not_key_value, unknown_flag
-from exp.core.config import TrainConfig, config_key, schema_fields
+from exp.core.config import ConfigError, TrainConfig, config_key, schema_fields
+from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import SECRET_NAME, secret_value_problems
-from exp.run.dirs import STATUS_FILE, read_status
+from exp.run.dirs import STATUS_FILE, claim_run_dir, read_status
 from exp.run.security import REDACTED, secret_values, target_problems
 
 # Settings people look for under a key that exp derives from, or keeps under, another one.
@@ -377,3 +379,31 @@ def _example(key: str) -> str | None:
     elif isinstance(value, enum.Enum):
         value = value.value
     return f"{key}={value}"
+
+
+def join_launch(argv: list[str], launch: str) -> list[str]:
+    """The command line of one rank of a torchrun / SLURM launch (`launch`: its shared id): the launch's id in the
+    environment (status.json records it) and, unless given, `hydra.run.dir=outputs/<launch id>` for every rank."""
+    if not launch:
+        raise ConfigError(
+            "this is one of several processes started by torchrun, which gives them no shared launch id "
+            "(TORCHELASTIC_RUN_ID=none), so they cannot agree on a run directory. Start torchrun with --standalone "
+            "(one machine) or --rdzv-id=<id> (several machines), or run under SLURM (srun)."
+        )
+    os.environ[LAUNCH_ID_ENV] = launch
+    if not any(a.lstrip("+").split("=", 1)[0] == "hydra.run.dir" for a in argv):
+        argv = [*argv, f"hydra.run.dir=outputs/{launch}"]
+    return argv
+
+
+def claim_pinned_run_dir(argv: list[str]) -> list[str]:
+    """Claim the run directory `check_command_line` pinned (a sweep pins none) before Hydra writes into it: a
+    directory holding a run, or being claimed by a launch started at the same moment, gives way to `<dir>_N`."""
+    pinned = [a for a in argv if a.startswith('hydra.run.dir="')]
+    if not pinned:
+        return argv
+    wanted = Path(pinned[-1].split("=", 1)[1][1:-1].replace('\\"', '"').replace("\\\\", "\\"))
+    claimed = claim_run_dir(wanted)  # ConfigError: the directory cannot be made
+    if claimed != wanted:
+        print(f"exp: {wanted} already holds a run; this one goes to {claimed}", file=sys.stderr)
+    return with_run_dir(argv, claimed)
