@@ -10,7 +10,7 @@
 #   calibration  benchmarks/memory_calibration.py: the estimator on the fast path (liger / chunked, compile on / off)
 #   bench7b      exp.bench headline, Gemma-7B shape, 2048 x 8: baseline, exp within the baseline's peak
 #   whole        exp.bench, Gemma-7B 2048 x 8: exp on the whole GPU (against bench7b's baseline when it ran)
-#   real         exp.bench real-data mode on ../shared/data/alpaca_en_demo.json (or $EXP_ALPACA), Gemma-7B shape
+#   real         exp.bench real-data mode on $EXP_ALPACA (an alpaca_en_demo.json), Gemma-7B shape
 #   lean         exp.bench, Gemma-7B 2048 x 8: exp within a quarter of the baseline's peak (baseline reused)
 #   capacity     exp.bench, Gemma-7B seq 2048: exp at micro-batch 128 in one micro-batch, every layer recomputed,
 #                their inputs in host memory (hardware.offload_checkpoints)
@@ -53,8 +53,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARA
 # large enough, else local disk.
 shm_free=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
 if [ "${shm_free:-0}" -gt $((40 * 1024 * 1024)) ]; then export EXP_CACHE=${EXP_CACHE:-/dev/shm/exp-cache}; else export EXP_CACHE=${EXP_CACHE:-/tmp/exp-cache}; fi
-ALPACA=${EXP_ALPACA:-$ROOT/../shared/data/alpaca_en_demo.json}
-[ -f "$ALPACA" ] || ALPACA=$ROOT/shared/data/alpaca_en_demo.json
+ALPACA=${EXP_ALPACA:-}  # a real Alpaca file (alpaca_en_demo.json) for the real-data and study stages
 
 log "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)'); EXP_CACHE=$EXP_CACHE"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
@@ -85,6 +84,9 @@ stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
 run_stage() {
+  if [[ $1 == real || $1 == study ]] && [ ! -f "$ALPACA" ]; then
+    log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
+  fi
   case $1 in
     tests)
       stage tests 420 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests 2>&1 | tee $WORK/pytest_gpu.txt" ;;

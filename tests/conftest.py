@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# Real public data files some tests read (alpaca_en_demo.json, alpaca_zh_demo.json), from the directory that
+# $EXP_SHARED_DATA names; the tests marked `shared_data("<file>")` skip without it.
+SHARED_DATA = Path(os.environ["EXP_SHARED_DATA"]).resolve() if os.environ.get("EXP_SHARED_DATA") else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -24,12 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if (marker := item.get_closest_marker("shared_data")) is not None:
+            name = marker.args[0]
+            if SHARED_DATA is None or not (SHARED_DATA / name).is_file():
+                item.add_marker(pytest.mark.skip(reason=f"needs $EXP_SHARED_DATA/{name} (a real public data file)"))
 
 
 # Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.

@@ -217,12 +217,12 @@ def test_preview_exits_2_on_bad_input_and_reports_packing(tmp_path, capsys):
     assert "packed row 0" in out and "% of slots filled" in out
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "alpaca_en_demo.json").exists(), reason="../shared/data not present")
+@pytest.mark.shared_data("alpaca_en_demo.json")
 def test_real_alpaca_file_trains_from_a_relative_path(tmp_path, monkeypatch):
-    """Relative data paths are resolved against the launch directory (here: the parent of shared/)."""
+    """Relative data paths are resolved against the launch directory (here: the parent of the data directory)."""
     from exp.train import run
 
-    monkeypatch.chdir(SHARED_DATA.parent.parent)
+    monkeypatch.chdir(SHARED_DATA.parent)
     rel = os.path.relpath(SHARED_DATA / "alpaca_en_demo.json")
     result = run(
         SHORT
@@ -243,7 +243,7 @@ def test_real_alpaca_file_trains_from_a_relative_path(tmp_path, monkeypatch):
     assert str(SHARED_DATA / "alpaca_en_demo.json") in (result.output_dir / "config.yaml").read_text()
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "alpaca_zh_demo.json").exists(), reason="../shared/data not present")
+@pytest.mark.shared_data("alpaca_zh_demo.json")
 def test_real_chinese_alpaca_file_trains(tmp_path):
     from exp.train import run
 
