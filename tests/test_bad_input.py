@@ -37,7 +37,7 @@ CASES = [
     ),
     ("lr-zero", ["trainer.learning_rate=0"], "trainer.learning_rate=0.0", "e.g. trainer.learning_rate=2e-4"),
     ("lr-negative", ["trainer.learning_rate=-1e-4"], "trainer.learning_rate=-0.0001", "e.g. trainer.learning_rate="),
-    ("max-steps-zero", ["trainer.max_steps=0"], "trainer.max_steps=0", "e.g. trainer.max_steps=1000"),
+    ("max-steps-zero", ["trainer.max_steps=0"], "trainer.max_steps=0", "e.g. trainer.max_steps=3000"),
     (
         "micro-batch-over-global",
         ["hardware.micro_batch_size=16"],
@@ -61,7 +61,7 @@ CASES = [
         "'lora.target_modules=q_proj'",
         "e.g. lora.target_modules=[q_proj,v_proj]",
     ),
-    ("wrong-type-null", ["trainer.max_steps=null"], "'trainer.max_steps=null'", "e.g. trainer.max_steps=1000"),
+    ("wrong-type-null", ["trainer.max_steps=null"], "'trainer.max_steps=null'", "e.g. trainer.max_steps=3000"),
     ("wrong-enum", ["quantization.quant_type=nf5"], "quantization.quant_type=nf5", "expected one of [nf4, fp4"),
     ("sweep-without-multirun", ["lora.r=4,8"], "'lora.r=4,8'", "add --multirun"),
     # The 4-bit compute dtype is not a key: it follows hardware.precision (float32 on the CPU, bf16 on a GPU).
