@@ -105,7 +105,12 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
     assert hydra.job.env_set == {**masked, "INNOCENT_NAME": REDACTED}  # the last by its value
     assert f"+hydra.job.env_set.DB_PASSWORD={REDACTED}" in hydra.overrides.hydra
     assert list(hydra.overrides.task) == RUN
-    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml") == OmegaConf.load(run_dir / "config.yaml")
+    # The run's config.yaml holds what the preflight resolved (here the loss `auto` became on the CPU); the rest is
+    # the composed config Hydra recorded.
+    recorded, resolved = OmegaConf.load(run_dir / ".hydra" / "config.yaml"), OmegaConf.load(run_dir / "config.yaml")
+    assert (recorded.hardware.loss_impl, resolved.hardware.loss_impl) == ("auto", "hf")
+    recorded.hardware.loss_impl = resolved.hardware.loss_impl
+    assert recorded == resolved
     assert read_run(run_dir, "val/loss").overrides["trainer.max_steps"] == "5"
 
 
@@ -416,10 +421,10 @@ def test_trust_remote_code_warns_naming_the_repository(tmp_path: Path, caplog: p
     (local / "config.json").write_text("{}")
     with caplog.at_level(logging.WARNING, logger="exp.model.build"):
         resolve_checkpoint(ModelConfig(path=str(local)))
-        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model"))
+        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model", random_init=False))
         assert caplog.records == []  # off by default: silent
         resolve_checkpoint(ModelConfig(path=str(local), trust_remote_code=True))
-        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model", trust_remote_code=True))
+        resolve_checkpoint(ModelConfig(hub_id="someone/remote-model", random_init=False, trust_remote_code=True))
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and all("trust_remote_code=true" in m for m in messages)
     assert str(local) in messages[0] and "someone/remote-model" in messages[1]

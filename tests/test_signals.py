@@ -131,7 +131,7 @@ def test_a_signal_in_the_final_validation_leaves_a_checkpoint_of_the_last_step_t
 
 
 def test_a_signal_while_the_results_are_saved_lets_the_run_complete(tmp_path, monkeypatch, capsys):
-    signal_at(monkeypatch, exp.train, "save_adapter", signal.SIGTERM)
+    signal_at(monkeypatch, exp.training.pipeline, "save_adapter", signal.SIGTERM)
     result = run(RUN, output_dir=tmp_path / "run")
     assert "exp: SIGTERM arrived while the results were being saved; the run completed first" in capsys.readouterr().out
     assert status(tmp_path / "run")["status"] == "completed"
