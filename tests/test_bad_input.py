@@ -37,7 +37,7 @@ CASES = [
     ),
     ("lr-zero", ["trainer.learning_rate=0"], "trainer.learning_rate=0.0", "e.g. trainer.learning_rate=2e-4"),
     ("lr-negative", ["trainer.learning_rate=-1e-4"], "trainer.learning_rate=-0.0001", "e.g. trainer.learning_rate="),
-    ("max-steps-zero", ["trainer.max_steps=0"], "trainer.max_steps=0", "e.g. trainer.max_steps=3000"),
+    ("max-steps-zero", ["trainer.max_steps=0"], "trainer.max_steps=0", "e.g. trainer.max_steps=1000"),
     (
         "micro-batch-over-global",
         ["hardware.micro_batch_size=16"],
