@@ -1,4 +1,5 @@
-"""Shared test setup: a private model cache, GPU tests skipped without CUDA, and one short tiny run."""
+"""Shared test setup: a private model cache, GPU tests skipped without CUDA, and one short tiny run (the tests that
+read it are marked slow here)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("WANDB_API_KEY", None)  # tests never talk to a W&B server
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (`-m "not slow"`)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test that reads the shared short run trains it, unless an earlier test has: slow, whatever it checks.
+    for item in items:
+        if "short_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -62,7 +68,8 @@ def compose_typed(overrides: list[str]):
 
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory: pytest.TempPathFactory):
-    """One 30-step run of the default config on the real NF4 CPU path, shared by the tests that inspect it."""
+    """One 30-step run of the default config on the real NF4 CPU path, shared by the tests that inspect it (slow
+    tests: `pytest_collection_modifyitems` marks them)."""
     from exp.train import run
 
     out = tmp_path_factory.mktemp("short_run") / "run"

@@ -140,7 +140,33 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "run": run, "file": root / "a_file", "empty": root / "empty"}
 
 
-@pytest.mark.parametrize(("overrides", "key", "fix"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# The rows refused only once Hydra has started (the typed config's checks, model.path, the LoRA target): their
+# process imports torch, transformers and Lightning first, seconds a row, so they run in the slow tier; the rest are
+# refused in well under a second.
+LATE = {
+    "rank-zero",
+    "rank-negative",
+    "alpha-zero",
+    "alpha-negative",
+    "dropout-one",
+    "dropout-negative",
+    "unknown-target-module",
+    "lr-zero",
+    "lr-negative",
+    "max-steps-zero",
+    "micro-batch-over-global",
+    "int8-on-cpu",
+    "int8-with-fsdp",
+    "fsdp-on-cpu",
+    "fp16-on-cpu",
+    "paged-optimizer-on-cpu",
+    "missing-model-path",
+    "model-path-without-config",
+}
+ROWS = [pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[0] in LATE else ()) for c in CASES]
+
+
+@pytest.mark.parametrize(("overrides", "key", "fix"), ROWS)
 def test_bad_input_is_refused_clearly_and_touches_nothing(workspace, overrides: list[str], key: str, fix: str):
     root, run = workspace["root"], workspace["run"]
     args = [o.format(file=workspace["file"], empty=workspace["empty"]) for o in overrides]

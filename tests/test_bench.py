@@ -34,6 +34,7 @@ def read_report(out_dir) -> tuple[dict, str]:
     return json.loads(path.read_text()), path.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path):
     # lr 5e-3 so that four updates move the adapters visibly (compared below through the LoRA B norms).
     # profile=true: the exp rows also say where their profiled steps' time went (by kind of operator on the CPU).
@@ -150,6 +151,7 @@ def loss_and_grads(model, batch, impl: LossImpl) -> tuple[float, dict[str, torch
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 def test_chunked_loss_matches_transformers_loss_on_the_4bit_model(monkeypatch: pytest.MonkeyPatch):
     import exp.model.loss
 
@@ -216,6 +218,7 @@ def test_fused_adamw_where_torch_has_the_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_bench_on_gpu_uses_the_fast_path(tmp_path):
     proc = run_bench(tmp_path, *SMOKE, "variant=baseline", "variant=exp")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -227,6 +230,7 @@ def test_bench_on_gpu_uses_the_fast_path(tmp_path):
     assert exp["peak_memory_gib"] > 0 and exp["mfu"] > 0 and rows["baseline"]["peak_memory_gib"] > 0
 
 
+@pytest.mark.slow
 def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(tmp_path):
     """Real-data mode on the CPU (a harness test, not a speed claim): the baseline pads each step's examples, exp
     batches them its own way; both are scored on real tokens and by the validation loss after the same steps."""

@@ -447,6 +447,7 @@ def test_cli_rejects_bad_override(tmp_path: Path, arg: str, expected: list[str])
     assert _completed_run_dirs(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_cli_cross_field_error_leaves_no_run_dir(tmp_path: Path):
     """The run directory claimed before the typed config's checks is removed again: no half-empty run (nor an empty
     outputs/<date>/) is left to look like one. (A directory that existed before is kept, marked failed:

@@ -218,6 +218,7 @@ def test_preview_exits_2_on_bad_input_and_reports_packing(tmp_path, capsys):
 
 
 @pytest.mark.shared_data("alpaca_en_demo.json")
+@pytest.mark.slow
 def test_real_alpaca_file_trains_from_a_relative_path(tmp_path, monkeypatch):
     """Relative data paths are resolved against the launch directory (here: the parent of the data directory)."""
     from exp.train import run
@@ -244,6 +245,7 @@ def test_real_alpaca_file_trains_from_a_relative_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.shared_data("alpaca_zh_demo.json")
+@pytest.mark.slow
 def test_real_chinese_alpaca_file_trains(tmp_path):
     from exp.train import run
 

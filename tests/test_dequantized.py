@@ -67,6 +67,7 @@ def test_dequantized_layers_compute_what_bitsandbytes_computes(autocast):
     assert not any("dequantized" in k for k in model.state_dict())
 
 
+@pytest.mark.slow
 def test_offloaded_checkpoints_give_the_same_loss_and_gradients():
     ckpt = ["hardware.gradient_checkpointing=true"]
     _, loss, grads = _loss_and_grads(ckpt)
@@ -139,6 +140,7 @@ def _fused_modules(model) -> set[str]:
 KEPT = ["lora=all_linear", "lora.dropout=0.1", "hardware.dequantized_layers=4"]
 
 
+@pytest.mark.slow
 def test_lora_inside_the_base_product_gives_peft_s_sum():
     """hardware.fuse_lora, fp32: the same loss and gradients as PEFT's two products and addition, up to rounding order."""
     _, loss, grads = _loss_and_grads(KEPT)
@@ -152,6 +154,7 @@ def test_lora_inside_the_base_product_gives_peft_s_sum():
         assert torch.allclose(grads_fused[name], g, rtol=1e-4, atol=1e-5 * g.abs().max()), name
 
 
+@pytest.mark.slow
 def test_lora_inside_the_base_product_is_no_less_exact_under_bf16_autocast():
     """Under bf16 autocast both paths round differently: measured against the fp32 gradients, the fused one is
     at least about as close as PEFT's (relative error of each tensor, within 2x of PEFT's + 1e-3)."""

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import SHORT
 
@@ -17,6 +18,7 @@ from exp.train import run
 from exp.training.signals import REQUEUE_EXIT
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):
     overrides = SHORT + [
         "hardware=ddp",
@@ -44,6 +46,7 @@ def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.slow
 def test_ddp_preempted_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
     """The launcher passes SIGTERM on to its workers; all ranks checkpoint at one step and exit for a requeue."""
     from test_resume import adapter, cli, interrupted
@@ -99,6 +102,7 @@ def torchrun(cwd, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_run_dir_and_never_take_over_an_earlier_one(tmp_path):
     # Each rank composes its own config: a time-stamped run dir differed between ranks a second apart (two run
     # dirs, one of them a stray copy). The launch's id names the one they share.

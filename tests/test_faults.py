@@ -16,6 +16,8 @@ from exp.train import run
 from exp.training.faults import NonFiniteError, OutOfMemory
 from exp.training.module import QLoRAModule
 
+pytestmark = pytest.mark.slow  # every test here trains
+
 
 def poison_step(monkeypatch, steps: set[int], make) -> None:
     """Make the training loss of the given optimiser steps (1-based) `make(loss)`, e.g. NaN."""

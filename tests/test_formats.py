@@ -173,6 +173,7 @@ def rows_for(fmt: str, n: int = 24) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", list(CASES))
+@pytest.mark.slow
 def test_each_format_trains_end_to_end_on_the_tiny_4bit_model(fmt, tmp_path):
     from exp.train import run
 

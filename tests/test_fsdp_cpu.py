@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow  # two processes train
 
 WORKER = Path(__file__).with_name("fsdp_cpu_worker.py")
 

@@ -13,6 +13,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.slow
 def test_gemma_2b_trains_on_one_gpu(tmp_path):
     overrides = [
         "model=gemma_2b",

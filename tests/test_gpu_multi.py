@@ -55,6 +55,7 @@ def train(
     return proc, summary
 
 
+@pytest.mark.slow
 def test_ddp_two_gpus_one_replica_per_device(tmp_path):
     proc, s = train(tmp_path, "ddp", ["hardware=ddp", "trainer.global_batch_size=8"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -65,6 +66,7 @@ def test_ddp_two_gpus_one_replica_per_device(tmp_path):
     assert s["replica_adapter_checksums"][0] == s["replica_adapter_checksums"][1]
 
 
+@pytest.mark.slow
 def test_fsdp_two_gpus(tmp_path):
     proc, s = train(tmp_path, "fsdp", ["hardware=fsdp", "trainer.global_batch_size=8"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -73,6 +75,7 @@ def test_fsdp_two_gpus(tmp_path):
     assert (tmp_path / "fsdp" / "adapter" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_model_parallel_spans_both_gpus(tmp_path):
     proc, s = train(tmp_path, "model_parallel", ["hardware=model_parallel"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -164,6 +164,7 @@ TWIN = [
 ]
 
 
+@pytest.mark.slow
 def test_gpu_defaults_train_on_the_cpu(tmp_path):
     """`hardware=gpu`'s plugins, optimiser, clipping, loss, partial checkpointing and compile, a few steps."""
     from exp.train import run

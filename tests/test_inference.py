@@ -204,6 +204,7 @@ def test_run_dir_without_adapter_fails_clearly(short_run, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_missing_run_dir_fails_clearly(tmp_path):
     r = cli("exp.generate", f"run={tmp_path / 'nope'}", "prompt=hi")
     assert r.returncode == 2

@@ -25,6 +25,7 @@ def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, starts: list[
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.slow
 def test_packed_rows_give_the_same_per_example_losses_as_unpacked_batches(attn):
     from transformers import AutoModelForCausalLM
 
@@ -182,6 +183,7 @@ def test_step_grouped_batches_carry_their_steps_loss_tokens(tmp_path):
     assert "step_loss_tokens" not in next(iter(unweighted.train_dataloader()))
 
 
+@pytest.mark.slow
 def test_packed_training_runs_end_to_end(tmp_path):
     from conftest import SHORT
 

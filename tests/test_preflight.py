@@ -246,6 +246,7 @@ def test_probe_on_this_machine_does_not_initialise_cuda():
         assert env.gpus == [] and env.torch_cuda is None
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_gpu_run_on_a_cpu_machine(tmp_path):
     import torch
 

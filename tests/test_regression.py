@@ -15,6 +15,8 @@ from conftest import SHORT
 
 from exp.train import run
 
+pytestmark = pytest.mark.slow  # both tests train
+
 # The default config (gemma_tiny, synthetic data of default size, trainer=tiny), shortened to 40 steps.
 SHORT_DEFAULT = [
     "trainer.max_steps=40",

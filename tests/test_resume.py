@@ -107,6 +107,7 @@ def assert_same_training(reference: Path, *pieces: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tmp_path):
     killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000020.ckpt", *RUN, "logger=csv")
     assert killed.returncode == -signal.SIGKILL
@@ -122,6 +123,7 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tm
     assert digest(tmp_path / "killed") == before
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_run(uninterrupted, tmp_path):
     stopped = interrupted(tmp_path, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, "logger=wandb")
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
@@ -150,6 +152,7 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
     assert len(ids) == 1
 
 
+@pytest.mark.slow
 def test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue(tmp_path):
     stopped = interrupted(tmp_path, "run", signal.SIGUSR1, "step-000020.ckpt", *RUN, "logger=csv")
     assert stopped.returncode == REQUEUE_EXIT and "stopped by SIGUSR1" in stopped.stderr
@@ -157,6 +160,7 @@ def test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] >= 20
 
 
+@pytest.mark.slow
 def test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_asked(uninterrupted, tmp_path):
     run = tmp_path / "copy"
     shutil.copytree(uninterrupted, run)
@@ -179,6 +183,7 @@ def test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_aske
     assert json.loads((tmp_path / "fb" / "summary.json").read_text())["steps"] == 70
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_run_with_a_different_config(uninterrupted, tmp_path):
     proc = cli(tmp_path, *RUN, "logger=csv", "lora.r=16", f"trainer.resume={uninterrupted}", "hydra.run.dir=x")
     assert proc.returncode == 2
@@ -193,6 +198,7 @@ def test_resume_auto_without_a_matching_run_starts_fresh(tmp_path):
     assert find_auto(cfg, tmp_path / "outputs" / "d" / "t") is None
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_the_newest_k_last_and_best(uninterrupted):
     names = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
     # keep_last_checkpoints=2 of steps 10..60; the best by val/loss (validated at 25, 50 and the end).
@@ -239,6 +245,7 @@ def test_a_checkpoint_is_shown_only_once_its_steps_metrics_are_on_disk(tmp_path,
     assert [p.name for p in tmp_path.iterdir()] == [new.name]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_appears_after_the_csv_rows_of_the_steps_it_holds(tmp_path, monkeypatch):
     """The race behind a SIGKILL-then-resume run missing a step's row, checked without its timing.
 

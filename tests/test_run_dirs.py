@@ -118,6 +118,7 @@ def test_a_run_in_use_by_another_process_is_never_continued(tmp_path):
     assert find_auto(CONFIG, tmp_path / "new") == running  # the process is gone: its lock with it
 
 
+@pytest.mark.slow
 def test_two_continuations_of_one_run_cannot_both_start(tmp_path):
     """A run without a .lock (an older run, or one not to be touched) is locked through its directory."""
     preempted = fake_run(tmp_path / "preempted")
@@ -159,6 +160,7 @@ def test_simultaneous_claims_get_distinct_directories(tmp_path):
         assert json.loads((Path(d) / "status.json").read_text())["status"] == "running"
 
 
+@pytest.mark.slow
 def test_two_clis_started_together_write_into_two_directories(tmp_path):
     """`python -m exp.train` twice at once, same hydra.run.dir: each its own directory, record and log (both stop
     at the typed config's check, after the claim). The directories exist beforehand, empty: a run refused by its

@@ -71,6 +71,7 @@ def secret_run(tmp_path_factory: pytest.TempPathFactory):
     return run_dir, launch, proc
 
 
+@pytest.mark.slow
 def test_no_secret_reaches_any_file_the_run_writes(secret_run):
     run_dir, launch, proc = secret_run
     files = [p for p in [*run_dir.rglob("*"), *launch.rglob("*")] if p.is_file()]
@@ -93,6 +94,7 @@ def test_no_secret_reaches_any_file_the_run_writes(secret_run):
         assert secret not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
     from omegaconf import OmegaConf
 
@@ -115,6 +117,7 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
 
 
 @pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
+@pytest.mark.slow
 def test_a_sweep_writes_no_secret_anywhere(tmp_path: Path, launcher: str):
     """A multirun's files (multirun.yaml, each job's record, the launcher's submission pickles) hold no secret.
     The jobs fail their validation (lora.r=0) at once: what a sweep writes is the same either way."""
@@ -228,6 +231,7 @@ def test_a_disallowed_target_in_a_yaml_file_is_refused(tmp_path: Path, sweep: bo
     assert not marker.exists() and not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.slow
 def test_without_the_check_hydra_would_have_run_it(tmp_path: Path):
     """The control: Hydra's own entry point (no exp.train.cli) instantiates the YAML's callback."""
     marker = tmp_path / "made_by_os_makedirs"
@@ -472,6 +476,7 @@ def _plain(value, where: str = "checkpoint") -> None:
         )
 
 
+@pytest.mark.slow
 def test_checkpoints_load_with_weights_only_and_hold_plain_types(secret_run):
     run_dir, _, _ = secret_run
     checkpoints = sorted((run_dir / "checkpoints").glob("*.ckpt"))
@@ -483,6 +488,7 @@ def test_checkpoints_load_with_weights_only_and_hold_plain_types(secret_run):
         assert "hyper_parameters" not in ckpt  # no pickled config objects
 
 
+@pytest.mark.slow
 def test_weights_are_safetensors(secret_run):
     from omegaconf import OmegaConf
     from safetensors import safe_open

@@ -104,6 +104,7 @@ def test_a_signal_before_training_marks_the_run_preempted(tmp_path, monkeypatch,
     assert signal.getsignal(signal.SIGINT) != exp.training.signals.GUARD._handle  # run() restored the handlers
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_checkpoints_at_the_next_step(tmp_path, monkeypatch):
     signal_at(monkeypatch, QLoRAModule, "training_step", signal.SIGINT, lambda self, *a: self.trainer.global_step == 2)
     with pytest.raises(Preempted) as info:
@@ -114,6 +115,7 @@ def test_ctrl_c_during_training_checkpoints_at_the_next_step(tmp_path, monkeypat
     assert torch.load(last, weights_only=True)["global_step"] == 3  # the step in flight finished
 
 
+@pytest.mark.slow
 def test_a_signal_in_the_final_validation_leaves_a_checkpoint_of_the_last_step_to_finish_from(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         final = lambda self, *a: self.trainer.state.fn == "validate"  # noqa: E731
@@ -130,6 +132,7 @@ def test_a_signal_in_the_final_validation_leaves_a_checkpoint_of_the_last_step_t
     assert (result.adapter_dir / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_a_signal_while_the_results_are_saved_lets_the_run_complete(tmp_path, monkeypatch, capsys):
     signal_at(monkeypatch, exp.training.pipeline, "save_adapter", signal.SIGTERM)
     result = run(RUN, output_dir=tmp_path / "run")
@@ -139,6 +142,7 @@ def test_a_signal_while_the_results_are_saved_lets_the_run_complete(tmp_path, mo
     assert not list((tmp_path / "run").glob(".adapter*"))  # written to a temporary directory, renamed into place
 
 
+@pytest.mark.slow
 def test_a_failure_after_a_signal_is_a_preemption(tmp_path, monkeypatch):
     """A signal sent to the whole process group also ends the DataLoader workers, and the next batch fails: the run
     is marked preempted (the signal stopped it), not failed."""
@@ -186,6 +190,7 @@ def held_cli(tmp_path: Path, point: str, sig: int, *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_a_signal_while_hydra_starts_marks_the_run_and_exits_for_requeue(tmp_path):
     proc = held_cli(tmp_path, "hydra-start", signal.SIGTERM, "hydra.run.dir=run")
     assert proc.returncode == REQUEUE_EXIT, proc.stderr[-3000:]

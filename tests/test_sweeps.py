@@ -59,6 +59,7 @@ def sweep(tmp_path_factory):
     return cwd / "study", first, second, stamps
 
 
+@pytest.mark.slow
 def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
     study, first, _, _ = sweep
     assert first.returncode == 1, first.stderr[-3000:]  # one job failed
@@ -69,6 +70,7 @@ def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
     assert "1 failed" in first.stdout + first.stderr
 
 
+@pytest.mark.slow
 def test_relaunch_skips_completed_jobs_and_keeps_their_files(sweep):
     study, _, second, stamps = sweep
     assert second.returncode == 1
@@ -78,6 +80,7 @@ def test_relaunch_skips_completed_jobs_and_keeps_their_files(sweep):
     assert len(failed_job) == 2  # the retry ran in its own directory; the first attempt's files are kept
 
 
+@pytest.mark.slow
 def test_report_matches_the_jobs_own_files(sweep):
     study, _, _, _ = sweep
     proc = exp(["exp.report", str(study)], study.parent)
@@ -96,6 +99,7 @@ def test_report_matches_the_jobs_own_files(sweep):
     assert "lora.target_modules" in (study / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_report_shows_a_running_job(tmp_path, sweep):
     study, _, _, _ = sweep
     running = tmp_path / "study"
@@ -105,6 +109,7 @@ def test_report_shows_a_running_job(tmp_path, sweep):
     assert proc.returncode == 0 and "running" in proc.stdout
 
 
+@pytest.mark.slow
 def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_path, sweep, monkeypatch):
     import shutil
 
@@ -121,6 +126,7 @@ def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_pa
     assert list((tmp_path / "here").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_jobs_are_isolated(tmp_path):
     """Two identical jobs: a leak of any state from the first (RNG, W&B run, model, globals) would change the second."""
     proc = exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], "logger=wandb", "hydra.sweep.dir=iso"], tmp_path)
@@ -154,6 +160,7 @@ def _files(root: Path, but: tuple[str, ...] = ()) -> dict[str, tuple[bytes, int]
     }
 
 
+@pytest.mark.slow
 def test_optuna_sweep_minimises_the_returned_metric(optuna_study):
     cwd, _, proc = optuna_study
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -165,6 +172,7 @@ def test_optuna_sweep_minimises_the_returned_metric(optuna_study):
     assert set(result.best_params) == {"trainer.learning_rate", "lora.r", "lora.alpha", "lora.dropout"}
 
 
+@pytest.mark.slow
 def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(optuna_study):
     """Job 0 of the re-launch is asked for other settings: reusing opt/0 would report its results for them."""
     cwd, args, first = optuna_study
@@ -181,6 +189,7 @@ def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(o
     assert sorted(p.name for p in (cwd / "opt").iterdir()) == ["0", "1", "optimization_results.yaml"]
 
 
+@pytest.mark.slow
 def test_a_relaunched_study_with_the_same_settings_reuses_every_trial(optuna_study):
     cwd, args, first = optuna_study
     assert first.returncode == 0, first.stderr[-3000:]
@@ -221,6 +230,7 @@ def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp
     assert isinstance(e.value, ConfigError)
 
 
+@pytest.mark.slow
 def test_grid_sweep_file_composes_and_runs(tmp_path):
     proc = exp(
         [
@@ -241,6 +251,7 @@ def test_grid_sweep_file_composes_and_runs(tmp_path):
     assert len(list((tmp_path / "grid").glob("*/summary.json"))) == 1
 
 
+@pytest.mark.slow
 def test_submitit_local_launcher_runs_jobs(tmp_path):
     proc = exp(
         [
@@ -276,6 +287,7 @@ def test_slurm_launcher_config_composes(tmp_path):
         assert expected in proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_launcher_gives_each_parallel_job_its_own_device(tmp_path):
     """Devices named explicitly so the test runs without GPUs: each job must see exactly its own one. Re-launched,
     the completed jobs are reused; with one job's record changed (as if a config default had changed since), the

@@ -106,6 +106,7 @@ def offline_run(tmp_path_factory: pytest.TempPathFactory):
     return result, launch
 
 
+@pytest.mark.slow
 def test_offline_run_lands_in_the_run_dir(offline_run):
     result, launch = offline_run
     import wandb
@@ -125,6 +126,7 @@ def test_offline_run_lands_in_the_run_dir(offline_run):
     assert not (Path(launch) / "wandb").exists()
 
 
+@pytest.mark.slow
 def test_offline_run_records_the_resolved_config(offline_run):
     result, _ = offline_run
     rec = read_offline_run(next((result.output_dir / "wandb").glob("offline-run-*")))
@@ -141,6 +143,7 @@ def test_offline_run_records_the_resolved_config(offline_run):
     assert rec["exit_codes"] == [0]
 
 
+@pytest.mark.slow
 def test_offline_run_summary_holds_final_metrics(offline_run):
     result, _ = offline_run
     rec = read_offline_run(next((result.output_dir / "wandb").glob("offline-run-*")))
@@ -157,6 +160,7 @@ def test_offline_run_summary_holds_final_metrics(offline_run):
     assert val_rows[0]["val/loss"] == pytest.approx(result.initial_val["val/loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_no_secret_from_the_environment_reaches_any_file(offline_run):
     result, launch = offline_run
     files = [p for p in result.output_dir.rglob("*") if p.is_file()]
@@ -251,6 +255,7 @@ def test_wandb_mode_offline_in_the_environment_wins(no_credentials, monkeypatch:
 # --- the CLI as a user runs it -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
     launch, home = tmp_path / "launch", tmp_path / "home"
     launch.mkdir()

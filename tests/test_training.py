@@ -207,6 +207,7 @@ def _saved_bytes_and_grads(overrides: list[str]) -> tuple[list[bool], int, dict[
     return [layer.gradient_checkpointing for layer in decoder_layers(model)], sum(storages.values()), grads
 
 
+@pytest.mark.slow
 def test_checkpoint_layers_recomputes_only_the_first_n_and_the_estimate_counts_the_rest():
     flags, saved, grads = {}, {}, {}
     for k in (0, 1, 2, 4):
@@ -233,6 +234,7 @@ def test_unknown_target_module_lists_the_available_names():
     assert "qv_proj" in str(e.value) and "down_proj" in str(e.value) and "o_proj" in str(e.value)
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_process_do_not_leak_state(tmp_path):
     overrides = SHORT + ["trainer.max_steps=5", "trainer.val_every_n_steps=5", "logger=wandb"]
     first = run(overrides, output_dir=tmp_path / "a")
