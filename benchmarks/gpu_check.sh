@@ -24,9 +24,10 @@
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
 #   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
 #                1e-4/2e-4 x seeds=4, 100 steps each), its --plan, then packed by memory on GPU 0, then the same
-#                sweep one job at a time in what is left of the stage's time (the wall-clock of the jobs it did not
-#                reach is extrapolated from the ones it did, and said so); nvidia-smi sampled once a second during
-#                both; exp.report of each; each job's final val/loss packed vs alone (study_compare.json)
+#                sweep one job at a time in what is left of the stage's time; called again on the same (warm)
+#                machine it goes on with the one-at-a-time arm (benchmarks/study_check.sh); nvidia-smi sampled
+#                once a second during both; exp.report of each; each job's final val/loss packed vs alone
+#                (outputs/gpu_study/study_compare.json; $OUT/study.tgz: the study without its weights)
 #
 # Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
 # calibration JSON/Markdown, pytest and command logs, run summaries). Each stage has a time limit
@@ -70,10 +71,18 @@ print("python", platform.python_version(), "cuda", torch.version.cuda, *(f"{n} {
 EOF
 
 status=0
+# GPU_CHECK_DEADLINE_S: seconds after this script's start by which every stage has ended (a stage's limit is cut to
+# what is left, and a stage with less than a minute left is skipped), so a device call's own limit is never hit.
+DEADLINE=${GPU_CHECK_DEADLINE_S:-}
 stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
   local name=$1 limit=$2; shift 2
   local var="STAGE_TIMEOUT_$name"
   limit=${!var:-$limit}
+  if [ -n "$DEADLINE" ]; then
+    local left=$((DEADLINE - SECONDS - 40))  # the stop's grace period and the results' packing
+    if [ "$left" -lt 60 ]; then log "stage $name: skipped, $left s left before GPU_CHECK_DEADLINE_S"; status=1; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   log "stage $name: $* (limit ${limit}s)"
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=20 "$limit" "$@"
@@ -144,7 +153,16 @@ run_stage() {
     bench512)
       stage bench512 420 "${BENCH[@]}" seq=512 micro_batch=32 steps=12 variant=baseline variant=exp ;;
     study)
-      stage study 560 bash benchmarks/study_check.sh "$WORK/study" "$ALPACA" ;;
+      # The study's directory survives between calls on a machine that stays warm: an invocation continues the
+      # one-at-a-time arm where the last one stopped (benchmarks/study_check.sh). Its deadline leaves the stage
+      # limit's last 30 s for the stop and the comparison.
+      limit=${STAGE_TIMEOUT_study:-560}
+      [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS - 40)) -lt "$limit" ] && limit=$((DEADLINE - SECONDS - 40))
+      STAGE_TIMEOUT_study=$limit stage study 560 env STUDY_DEADLINE_S=$((limit - 40)) \
+        bash benchmarks/study_check.sh "$ROOT/outputs/gpu_study" "$ALPACA"
+      # Everything but the weights (checkpoints, adapters, tokenizer files), for exp.report on another machine.
+      tar -czf "$OUT/study.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
+        --exclude='*.partial' outputs/gpu_study $(cd "$ROOT" && ls -d multirun/study_warmup_* 2>/dev/null) ;;
     *) log "unknown stage $1"; status=1 ;;
   esac
 }

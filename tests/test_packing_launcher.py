@@ -54,6 +54,20 @@ def test_jobs_start_in_sweep_order_and_a_large_job_is_not_overtaken():
     assert start["0_job"] == start["1_job"] == start["2_job"] == 0
     assert start["3_job"] == start["4_job"] == start["5_job"] == 10  # 70 + 5 + 5 = 80: all fit once the GPU is free
     assert sim.makespan_s == 20
+    assert sim.most_at_once == 3
+
+
+def test_packed_jobs_share_the_hosts_cores_for_compiling(monkeypatch):
+    from hydra_plugins.exp_gpu_launcher.launcher import compile_threads
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert compile_threads(1) is None  # one job at a time: torch's own default
+    assert compile_threads(4) == 4
+    assert compile_threads(16) == 1
+    assert compile_threads(40) == 1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    assert compile_threads(4) is None  # the user's setting is passed on untouched
 
 
 def test_jobs_spread_over_gpus_before_doubling_up():

@@ -312,12 +312,13 @@ def plan_comparison(sweep_dir: Path) -> list[str]:
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lo, hi = plan.get("wall_clock_s", [None, None])
+    lo, hi = plan.get("wall_clock_s") or [None, None]
     actual = next((e["wall_clock_s"] for e in mine if e.get("event") == "launch_end"), None)
     unknown = len(plan.get("without_time") or [])
-    estimate = "unknown" if unknown and not lo else f"{lo:.0f} to {hi:.0f} s" if hi != lo else f"{lo:.0f} s"
-    if unknown:
-        estimate += f" ({unknown} job(s) without a recorded throughput not counted)"
+    if unknown or lo is None:
+        estimate = f"unknown ({unknown} job(s) without a recorded throughput)"
+    else:
+        estimate = f"{lo:.0f} to {hi:.0f} s" if hi != lo else f"{lo:.0f} s"
     lines.append(f"  wall-clock: estimated {estimate}; actual {_fmt(actual)} s")
     lines.append(
         "  peak GiB is torch.cuda.max_memory_allocated (compare with est. allocated; est. GiB adds the CUDA context "

@@ -136,6 +136,11 @@ class Simulation:
     def makespan_s(self) -> float:
         return max((j.end_s for j in self.jobs), default=0.0)
 
+    @property
+    def most_at_once(self) -> int:
+        """The most jobs running at one time, over all GPUs."""
+        return max((sum(1 for o in self.jobs if o.start_s <= j.start_s < o.end_s) for j in self.jobs), default=0)
+
 
 def simulate(
     gpus: dict[str, int],

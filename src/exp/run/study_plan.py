@@ -133,12 +133,14 @@ def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord])
         job.memory = job_memory(job.cfg, pool.gpu, pool.headroom)
         on = "cpu" if job.cfg.hardware.accelerator == Accelerator.cpu else device
         job.time = estimate_time(job.cfg, on, records)
-    seconds = {j.name: (j.time.job_s or 0.0) if j.time else 0.0 for j in jobs if j.runs}
+    unknown = [j.name for j in jobs if j.runs and (j.time is None or j.time.job_s is None)]
+    # Without a time for every job the placement is still worth showing (which jobs share a GPU, in what order),
+    # so the packer is run on jobs of equal length, and the plan gives no wall-clock.
+    seconds = {j.name: 1.0 if unknown else float(j.time.job_s) for j in jobs if j.runs and j.time is not None}
     demands = packer_demands(jobs, pool)
     kwargs: dict[str, Any] = {"max_jobs_per_gpu": pool.max_jobs_per_gpu}
     best = simulate(pool.capacities, demands, seconds, **kwargs)
     worst = simulate(pool.capacities, demands, seconds, shared_compute=True, **kwargs)
-    unknown = [j.name for j in jobs if j.runs and (j.time is None or j.time.job_s is None)]
     return StudyPlan(pool, jobs, best, worst, unknown)
 
 
@@ -195,13 +197,24 @@ def format_plan(plan: StudyPlan) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    timed = not plan.unknown_time
     lines.append(
-        "placement (simulated with the launcher's packer; times as if jobs on one GPU do not slow each other):"
+        "placement (simulated with the launcher's packer; "
+        + (
+            "times as if jobs on one GPU do not slow each other):"
+            if timed
+            else "no recorded time for every job, so as if all took equally long; [n]: the n-th start):"
+        )
     )
     for gpu in pool.capacities:
         on = [s for s in plan.best.jobs if s.gpu == gpu]
         if on:
-            spans = ", ".join(f"{s.job.split('_', 1)[0]} [{s.start_s:.0f}-{s.end_s:.0f} s]" for s in on)
+            starts = sorted({s.start_s for s in on})
+            spans = ", ".join(
+                f"{s.job.split('_', 1)[0]} "
+                + (f"[{s.start_s:.0f}-{s.end_s:.0f} s]" if timed else f"[{starts.index(s.start_s) + 1}]")
+                for s in on
+            )
             most = max(1, *(sum(1 for o in on if o.start_s <= s.start_s < o.end_s) for s in on))
             lines.append(f"  {gpu}: {spans}; at most {most} at once")
     for name in plan.best.rejected:
@@ -209,15 +222,16 @@ def format_plan(plan: StudyPlan) -> str:
             f"  {name}: fits no GPU (its reservation exceeds every GPU's memory): it would be recorded as failed"
         )
     lo, hi = plan.best.makespan_s, plan.worst.makespan_s
-    span = (
-        f"{lo:.0f} s"
-        if abs(hi - lo) < 1
-        else f"{lo:.0f} s (jobs on a GPU do not slow each other) to {hi:.0f} s (they share its compute evenly)"
-    )
-    lines.append(f"estimated wall-clock: {span}")
-    if plan.unknown_time:
+    if timed:
+        span = (
+            f"{lo:.0f} s"
+            if abs(hi - lo) < 1
+            else f"{lo:.0f} s (jobs on a GPU do not slow each other) to {hi:.0f} s (they share its compute evenly)"
+        )
+        lines.append(f"estimated wall-clock: {span}")
+    else:
         lines.append(
-            f"  not counted: {len(plan.unknown_time)} job(s) without a recorded throughput "
+            f"estimated wall-clock: unknown, {len(plan.unknown_time)} job(s) without a recorded throughput "
             f"({', '.join(n.split('_', 1)[0] for n in plan.unknown_time)}); a completed run of the same model on the "
             "same device (in the sweep directory, outputs/ or multirun/) or an exp.bench result gives one"
         )
@@ -248,7 +262,9 @@ def plan_record(plan: StudyPlan) -> dict[str, Any]:
         "memory_from": plan.pool.where,
         "headroom": plan.pool.headroom,
         "jobs": jobs,
-        "wall_clock_s": [round(plan.best.makespan_s, 1), round(plan.worst.makespan_s, 1)],
+        "wall_clock_s": None
+        if plan.unknown_time
+        else [round(plan.best.makespan_s, 1), round(plan.worst.makespan_s, 1)],
         "without_time": plan.unknown_time,
     }
 

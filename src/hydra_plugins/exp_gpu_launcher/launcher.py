@@ -71,6 +71,7 @@ class GpuPoolLauncher(Launcher):
         self.config = None
         self.hydra_context = None
         self.pool = None
+        self.compile_threads: int | None = None  # set per launch: see compile_threads
         self._lock = threading.Lock()
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -145,6 +146,7 @@ class GpuPoolLauncher(Launcher):
         for i, (num, overrides, job_cfg, job) in enumerate(planned):
             if job.reuse is not None or job.cfg is None:
                 results[i] = self._without_gpu(num, overrides, job_cfg, job)
+        self.compile_threads = compile_threads(plan.best.most_at_once)
         packer = Packer(self.pool.capacities, plan.demands(), self.pool.max_jobs_per_gpu)
         ended: queue.Queue = queue.Queue()
         started = time.time()
@@ -166,6 +168,7 @@ class GpuPoolLauncher(Launcher):
                         "budget_gib": memory.budget_gib if memory and self.pack else None,
                         "gpu_room_gib": _gib(p.room_before_bytes) if self.pack else None,
                         "running_before": p.running_before,
+                        "compile_threads": self.compile_threads,
                     },
                 )
                 budget = memory.budget_gib if memory and self.pack else None
@@ -208,6 +211,7 @@ class GpuPoolLauncher(Launcher):
                     "launch": launch_id,
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "job": name,
+                    "run_dir": run_dir.name if run_dir is not None else None,  # a re-run attempt: <job>_1, ...
                     "gpu": gpu,
                     "status": _status(run_dir),
                     "seconds": round(seconds, 1),
@@ -288,6 +292,8 @@ class GpuPoolLauncher(Launcher):
             )
             log.info("job #%d on GPU %s: %s", num, device, " ".join(overrides))
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
+            if self.compile_threads is not None:
+                env["TORCHINDUCTOR_COMPILE_THREADS"] = str(self.compile_threads)
             try:
                 rc = subprocess.run(
                     [sys.executable, "-m", "exp.training.worker", "job", str(run_dir)], env=env
@@ -303,6 +309,18 @@ class GpuPoolLauncher(Launcher):
         """One decision, appended to the sweep's placements.jsonl (earlier launches' lines are kept)."""
         with self._lock, (sweep_dir / PLACEMENTS).open("a") as f:
             f.write(json.dumps(event, default=str) + "\n")
+
+
+def compile_threads(jobs_at_once: int) -> int | None:
+    """Inductor's compile workers per job when several jobs share this host (None: leave torch's default).
+
+    Each compiling process starts a pool of one worker per CPU core, each a Python process with torch loaded: 16
+    packed jobs on a 16-core host would start 256 of them, several GiB of host memory each few. The host's cores
+    are split between the jobs that run at once instead; TORCHINDUCTOR_COMPILE_THREADS set by the user wins.
+    """
+    if jobs_at_once <= 1 or "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // jobs_at_once)
 
 
 def _gib(n: int) -> float:
