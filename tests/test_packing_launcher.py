@@ -153,3 +153,106 @@ def test_a_jobs_reservation_is_its_estimate_plus_headroom_and_its_budget_its_res
     assert estimate_for_config(again).total == demand.estimate_bytes
     assert again.hardware.micro_batch_size == resolved.hardware.micro_batch_size
     assert again.hardware.dequantized_layers == resolved.hardware.dequantized_layers
+
+
+def _study_job(r: int = 8, micro_batch: int | None = None):
+    from conftest import compose_typed
+
+    overrides = ["model=gemma_2b", "model.random_init=true", "hardware=gpu", "hardware.memory_budget_gib=7.5"]
+    overrides += ["data.max_seq_len=512", f"lora.r={r}"]
+    if micro_batch:
+        overrides += ["hardware.auto_micro_batch=false", f"hardware.micro_batch_size={micro_batch}"]
+    return compose_typed(overrides)
+
+
+H200 = Gpu("NVIDIA H200", int(139.8 * GiB), int(139.8 * GiB), (9, 0))
+
+
+def test_a_measured_peak_of_the_same_shape_sets_the_reservation():
+    # The H200 study: Gemma-2B at 512 x 8 within 7.5 GiB, estimated to allocate 6.65 GiB, measured 11.75 GiB.
+    from exp.run.job_cost import MemoryShape, StepRecord, memory_demand
+
+    plain = memory_demand(_study_job(), H200, 0.1)
+    assert plain.measured_from == "" and plain.reserve_bytes == int(plain.estimate_bytes * 1.1)
+    peak = int(11.75 * GiB)
+    record = StepRecord("runs/0_r8", "gemma_2b", "NVIDIA H200", 4096, 0.3, 20.0, peak, plain.shape)
+    learnt = memory_demand(_study_job(r=16), H200, 0.1, [record])  # r=16: the same shape to the estimator
+    outside = plain.estimate_bytes - plain.allocated_bytes  # CUDA context and cache slack, kept from the estimate
+    assert learnt.measured_from == "runs/0_r8"
+    assert learnt.reserve_bytes == int((peak + learnt.estimate_bytes - learnt.allocated_bytes) * 1.1)
+    assert learnt.reserve_bytes > int((peak + outside) * 1.09)
+    assert learnt.estimate_bytes == memory_demand(_study_job(r=16), H200, 0.1).estimate_bytes  # the estimate stays
+    # Not learnt from: another GPU, another model, another shape, or a peak within the estimate.
+    # Not learnt from: another GPU, another shape (a micro-batch of 1 under the same budget: its estimate is within
+    # 1% of this one's), the same key with an estimate 20% apart (a rank large enough to matter), a peak within the
+    # estimate, or a run without a peak.
+    mb1 = memory_demand(_study_job(micro_batch=1), H200, 0.1).shape
+    assert abs(mb1.allocated_bytes / plain.allocated_bytes - 1) < 0.01 and mb1.key != plain.shape.key
+    big_rank = MemoryShape(plain.shape.key, int(plain.allocated_bytes * 1.2))
+    for other in (
+        StepRecord("a", "gemma_2b", "NVIDIA A100", 4096, 0.3, 20.0, peak, plain.shape),
+        StepRecord("b", "gemma_2b", "NVIDIA H200", 4096, 0.3, 20.0, peak, mb1),
+        StepRecord("c", "gemma_2b", "NVIDIA H200", 4096, 0.3, 20.0, peak, big_rank),
+        StepRecord("d", "gemma_2b", "NVIDIA H200", 4096, 0.3, 20.0, plain.allocated_bytes - 1, plain.shape),
+        StepRecord("e", "gemma_2b", "NVIDIA H200", 4096, 0.3, 20.0, None, None),
+    ):
+        assert memory_demand(_study_job(), H200, 0.1, [other]).reserve_bytes == plain.reserve_bytes, other.source
+
+
+def test_a_completed_gpu_run_records_its_peak_and_the_estimate_of_its_config(tmp_path):
+    import json
+
+    from exp.hardware.memory import estimate_for_config
+    from exp.hardware.preflight import Environment, check
+    from exp.run.compose import write_run_config
+    from exp.run.dirs import write_status
+    from exp.run.job_cost import find_records, memory_shape
+
+    resolved = check(_study_job(), Environment(torch_cuda="13.0", gpus=[H200])).cfg
+    run = tmp_path / "study" / "0_lora.r=8"
+    run.mkdir(parents=True)
+    write_run_config(resolved, run)
+    summary = {"steps": 100, "seconds": 60.0, "step_seconds_median": 0.3, "device": "cuda:0", "peak_memory_gib": 11.75}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "manifest.json").write_text(json.dumps({"hardware": {"gpus": ["NVIDIA H200"]}}))
+    write_status(run, "completed")
+    [record] = [r for r in find_records([tmp_path]) if r.source == str(run.resolve())]
+    assert record.device == "NVIDIA H200" and record.peak_bytes == int(11.75 * GiB)
+    assert (
+        record.shape == memory_shape(resolved)
+        and record.shape.allocated_bytes == estimate_for_config(resolved).allocated
+    )
+
+
+def test_waiting_jobs_of_the_measured_shape_reserve_more_and_wait_for_room():
+    packer = Packer({"0": 100 * GiB}, _jobs(30, 30, 30, 30, 30))
+    assert [p.job for p in packer.start_ready()] == ["0_job", "1_job", "2_job"]
+    assert packer.raise_reservation("3_job", 60 * GiB) and not packer.raise_reservation("3_job", 50 * GiB)
+    assert not packer.raise_reservation("0_job", 90 * GiB)  # running already: its reservation was taken
+    packer.finish("0_job")
+    assert packer.start_ready() == []  # 60 GiB does not fit beside two 30s; 30 would have
+    packer.finish("1_job")
+    assert [p.job for p in packer.start_ready()] == ["3_job"]
+
+
+def test_the_launcher_raises_the_waiting_jobs_of_a_shape_after_a_measured_peak(tmp_path):
+    import json
+
+    from exp.run.job_cost import memory_demand
+    from hydra_plugins.exp_gpu_launcher.launcher import GpuPoolLauncher
+
+    launcher = GpuPoolLauncher(pack=True, headroom=0.1)
+    small, other = memory_demand(_study_job(), H200, 0.1), memory_demand(_study_job(micro_batch=1), H200, 0.1)
+    jobs = [PlannedJob(i, f"{i}_j", [], cfg=object(), memory=m) for i, m in enumerate([small, small, small, other])]
+    packer = Packer({"0": int(139.8 * GiB)}, [JobDemand(j.name, j.memory.reserve_bytes) for j in jobs], 1)
+    packer.start_ready()
+    run = tmp_path / "0_j"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"peak_memory_gib": 11.75}))
+    launcher._learn_peak(tmp_path, "launch", packer, jobs, {j.name: i for i, j in enumerate(jobs)}, "0_j", run)
+    reserve = {d.job: d.reserve_bytes for d in packer.pending}
+    assert reserve["1_j"] == reserve["2_j"] > small.reserve_bytes * 1.5  # the same shape: raised
+    assert jobs[1].memory.measured_from == str(run)
+    assert reserve["3_j"] == other.reserve_bytes  # another micro-batch: another shape, left alone
+    events = [json.loads(line) for line in (tmp_path / "placements.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["job"]) for e in events] == [("reserve_raised", "1_j"), ("reserve_raised", "2_j")]

@@ -236,3 +236,31 @@ def test_a_killed_run_reads_as_interrupted_while_a_running_one_reads_as_running(
 
 def status_of(run: Path) -> str:
     return json.loads((run / "status.json").read_text())["status"]
+
+
+def test_a_sweep_job_with_long_overrides_gets_a_name_the_file_system_takes():
+    from exp.run.compose import compose_config  # noqa: F401  (registers the resolver conf/train.yaml uses)
+    from exp.run.dirs import NAME_MAX_BYTES, sweep_job_dir_name
+
+    short = "lora.r=8,trainer.learning_rate=0.0002"
+    assert sweep_job_dir_name(3, short) == f"3_{short}"  # Hydra's naming, unchanged
+    assert sweep_job_dir_name(0, "") == "0"
+    assert sweep_job_dir_name(1, "data.path=/data/a.json,lora.r=8") == "1_data.path=/data/a.json,lora.r=8"
+    long = ",".join(f"trainer.key_{i}=value_{i}" for i in range(20)) + ",data.path=/" + "d" * 40 + "/a.json"
+    name = sweep_job_dir_name(12, long)
+    assert len(name.encode()) <= NAME_MAX_BYTES and "/" not in name and name.startswith("12_trainer.key_0=")
+    assert sweep_job_dir_name(12, long) == name  # the same on a re-launch: the job is found again
+    assert sweep_job_dir_name(12, long.replace("value_19", "value_X")) != name  # a different job, another name
+    accents = sweep_job_dir_name(12, "x=" + "é" * 200)  # 2 bytes a character: cut on a character boundary
+    assert len(accents.encode()) <= NAME_MAX_BYTES and accents.startswith("12_x=éé") and "\ufffd" not in accents
+
+
+def test_the_sweep_config_names_jobs_through_the_resolver():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from exp.run.compose import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("train", return_hydra_config=True)
+    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"].startswith("${exp.job_dir:")

@@ -14,11 +14,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.core.secrets import secret_value_problems
-from exp.run.dirs import RESUME_RECORD, RunLayout
+from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
 from exp.run.overrides import check_cli_overrides
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 register_configs()
+# conf/train.yaml names a sweep job's directory with it (hydra.sweep.subdir).
+if not OmegaConf.has_resolver("exp.job_dir"):
+    OmegaConf.register_new_resolver("exp.job_dir", sweep_job_dir_name)
 
 
 def config_dict(cfg: TrainConfig) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -97,6 +98,26 @@ class RunLayout:
     def is_run(self) -> bool:
         """Holds a run's record (its status, or Hydra's record of a job that never got further)."""
         return self.status.exists() or self.hydra.exists()
+
+
+NAME_MAX_BYTES = 255  # the longest file name Linux and macOS file systems take
+SHORT_NAME_BYTES = 150  # what is kept of a too-long job name, before its hash
+
+
+def sweep_job_dir_name(num: int | str, override_dirname: str) -> str:
+    """A sweep job's directory name: `<job number>_<its overrides>` (Hydra's `override_dirname`).
+
+    Overrides with long values (a data path, many keys) can make a name longer than a file system takes, and the job
+    could not be created. Such a name is cut, and a hash of the whole name appended, so that it stays unique and the
+    same on every launch (a re-launch finds the job again). A value's `/` is kept where every part is short enough: a
+    path then nests, as in Hydra's own naming.
+    """
+    name = f"{num}_{override_dirname}" if override_dirname else str(num)
+    if all(len(part.encode()) <= NAME_MAX_BYTES for part in name.split("/")):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    head = name.replace("/", "_").encode()[:SHORT_NAME_BYTES].decode(errors="ignore").rstrip(",=_")
+    return f"{head}-{digest}"
 
 
 _held: dict[Path, int] = {}  # run directory (resolved) -> the open descriptor whose lock this process holds

@@ -19,23 +19,62 @@ outside the steps (start-up, evaluations, saving). Records: completed runs (summ
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from exp.core.config import Accelerator, TrainConfig
+from exp.core.config import Accelerator, ConfigError, TrainConfig
 from exp.hardware.memory import GiB, estimate_for_config
 from exp.hardware.preflight import Environment, Gpu, check
+from exp.run.compose import config_dict, load_run_config
 from exp.run.dirs import RunLayout, read_status
 
 # The reservation's margin over the estimate. The estimator's allocated peak was within +0.6% of the H200
 # measurements (docs/bench.md); the caching allocator's fragmentation with several processes on one GPU has not
 # been measured, so the margin matches the single-run preflight's AUTO_CHECKPOINT_HEADROOM.
 DEFAULT_HEADROOM = 0.10
+SAME_SHAPE_TOLERANCE = 0.01  # lora.r 8 vs 16 on Gemma-2B moves the estimate by 0.3%; a micro-batch step by far more
 BENCH_RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class MemoryShape:
+    """What decides a job's memory, to tell whether one run's measured peak stands for another job.
+
+    `key`: a hash of the resolved settings the memory follows (model and quantization, every hardware choice but the
+    budget, the sequence length, the LoRA targets, dropout and extra trained modules). The rank is left out: it
+    moves a 2B job's estimate by 0.3%, and a study over ranks should learn from its first run of any rank; the
+    estimated allocations must agree within SAME_SHAPE_TOLERANCE as well, which catches a rank large enough to
+    matter. A key alone would not do without the allocation either way: under a budget the preflight fills the
+    budget, so jobs of different micro-batches can have estimates within 1% of each other.
+    """
+
+    key: str
+    allocated_bytes: int  # exp's estimate of the allocation peak
+
+    def matches(self, other: MemoryShape) -> bool:
+        a, b = self.allocated_bytes, other.allocated_bytes
+        return self.key == other.key and abs(a - b) <= SAME_SHAPE_TOLERANCE * max(a, b)
+
+
+def memory_shape(cfg: TrainConfig) -> MemoryShape:
+    """The shape of a resolved config (what the preflight wrote into config.yaml)."""
+    d = config_dict(cfg)
+    key = {
+        "model": d["model"],
+        "quantization": d["quantization"],
+        "hardware": {k: v for k, v in d["hardware"].items() if k != "memory_budget_gib"},
+        "max_seq_len": d["data"]["max_seq_len"],
+        "lora": {k: d["lora"][k] for k in ("target_modules", "dropout", "modules_to_save", "bias")},
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return MemoryShape(digest, estimate_for_config(cfg).allocated)
 
 
 @dataclass
@@ -48,10 +87,29 @@ class MemoryDemand:
     budget_gib: float | None  # hardware.memory_budget_gib the job runs with (None: left as the config says)
     choices: str  # what the preflight resolves, in words
     problem: str = ""  # why the job cannot run on this GPU (the preflight's finding)
+    measured_from: str = ""  # the run whose measured peak sets the reservation (empty: the estimate does)
+    shape: MemoryShape | None = None  # None on the CPU, where nothing is packed
+
+    def measured(self, peak_bytes: int, source: str, headroom: float) -> MemoryDemand:
+        """This demand with the reservation a measured allocation peak of the same shape calls for, when that
+        peak is above the estimated allocation: the estimate's share outside the allocator (CUDA context, cache
+        slack) added, then the headroom. A lower peak leaves the estimate's reservation as it is."""
+        if peak_bytes <= self.allocated_bytes:
+            return self
+        total = peak_bytes + max(0, self.estimate_bytes - self.allocated_bytes)
+        reserve = max(self.reserve_bytes, int(total * (1 + headroom)))
+        return dataclasses.replace(self, reserve_bytes=reserve, measured_from=source)
 
 
-def memory_demand(cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_HEADROOM) -> MemoryDemand:
-    """The job's memory as its preflight will resolve it on `gpu` (None or a CPU config: the config as it is)."""
+def memory_demand(
+    cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_HEADROOM, records: list[StepRecord] = ()
+) -> MemoryDemand:
+    """The job's memory as its preflight will resolve it on `gpu` (None or a CPU config: the config as it is).
+
+    `records`: completed runs on the same GPU of this job's `MemoryShape`: the highest allocation peak they measured
+    sets the reservation where it exceeds the estimate, so a study learns from earlier runs what the estimator
+    missed.
+    """
     if gpu is None or cfg.hardware.accelerator == Accelerator.cpu:
         est = estimate_for_config(cfg)
         return MemoryDemand(est.total, est.allocated, int(est.total * (1 + headroom)), None, _choices(cfg))
@@ -65,9 +123,21 @@ def memory_demand(cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_H
     est = estimate_for_config(resolved)
     problem = "; ".join(f.message.splitlines()[0] for f in result.findings)
     budget = own_budget if own_budget is not None else math.ceil(est.total / GiB * 100) / 100
-    return MemoryDemand(
-        est.total, est.allocated, int(est.total * (1 + headroom)), budget, _choices(resolved), problem=problem
+    shape = memory_shape(resolved)
+    demand = MemoryDemand(
+        est.total,
+        est.allocated,
+        int(est.total * (1 + headroom)),
+        budget,
+        _choices(resolved),
+        problem=problem,
+        shape=shape,
     )
+    peaks = [r for r in records if r.device == gpu.name and r.peak_bytes and r.shape and r.shape.matches(shape)]
+    if peaks:
+        top = max(peaks, key=lambda r: (r.peak_bytes, r.source))
+        demand = demand.measured(top.peak_bytes, top.source, headroom)
+    return demand
 
 
 def _choices(cfg: TrainConfig) -> str:
@@ -90,6 +160,8 @@ class StepRecord:
     tokens_per_step: int  # global batch x max_seq_len: what a step computes at most (batches are padded)
     step_s: float  # median seconds per optimiser step
     overhead_s: float  # the run's wall-clock outside its steps (0 for a benchmark row)
+    peak_bytes: int | None = None  # the run's measured allocation peak (torch.cuda.max_memory_allocated)
+    shape: MemoryShape | None = None  # the run's resolved config as the memory sees it
 
 
 @dataclass
@@ -136,7 +208,14 @@ def run_record(run: Path) -> StepRecord | None:
     # holds the process's start (interpreter, imports), which a study pays per job too.
     seconds = _launcher_seconds(run) or float(summary["seconds"])
     overhead = max(0.0, seconds - step_s * int(summary["steps"]))
-    return StepRecord(str(run), str(cfg.model.name), device, tokens, float(step_s), overhead)
+    peak = shape = None
+    if device != "cpu" and summary.get("peak_memory_gib"):
+        try:  # config.yaml holds what the preflight resolved
+            shape = memory_shape(load_run_config(run))
+            peak = int(float(summary["peak_memory_gib"]) * GiB)
+        except (OSError, ValueError, OmegaConfBaseException, ConfigError):  # an older schema: no shape to match
+            pass
+    return StepRecord(str(run), str(cfg.model.name), device, tokens, float(step_s), overhead, peak, shape)
 
 
 def _launcher_seconds(run: Path) -> float | None:

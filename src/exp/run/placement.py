@@ -14,6 +14,9 @@ The rules, and why:
   * Back-off: a job that ran out of memory shows that the GPU held less than planned (the estimate was low, or
     another process took memory). That GPU's capacity shrinks by the failed job's reservation for the rest of
     the launch; jobs running there keep running, and new ones start there only within the smaller capacity.
+  * Learning: a job that completed with an allocation peak above its estimate raises the reservation of the waiting
+    jobs of the same shape to what it measured (the launcher calls `raise_reservation`): the estimator's error is
+    paid once per launch, not once per job.
   * A job larger than every GPU's capacity would wait forever: it is rejected (the launcher records it as failed,
     with its estimate) and the jobs behind it go on.
 """
@@ -106,6 +109,17 @@ class Packer:
             before = slot.capacity_bytes
             slot.capacity_bytes = max(0, before - reserved)
             self.backoffs.append((slot.gpu, job, before, slot.capacity_bytes))
+
+    def raise_reservation(self, job: str, reserve_bytes: int) -> bool:
+        """A waiting job's reservation raised (a job of the same shape measured more than estimated); False when the
+        job is not waiting or already reserves as much."""
+        for i, demand in enumerate(self.pending):
+            if demand.job == job:
+                if reserve_bytes <= demand.reserve_bytes:
+                    return False
+                self.pending[i] = JobDemand(job, reserve_bytes)
+                return True
+        return False
 
     def take_rejected(self) -> list[JobDemand]:
         """Jobs found too large for every GPU since the last call (the caller records them as failed)."""

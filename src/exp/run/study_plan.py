@@ -130,7 +130,7 @@ def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord])
         if not job.runs:
             continue
         assert job.cfg is not None
-        job.memory = job_memory(job.cfg, pool.gpu, pool.headroom)
+        job.memory = job_memory(job.cfg, pool.gpu, pool.headroom, records)
         on = "cpu" if job.cfg.hardware.accelerator == Accelerator.cpu else device
         job.time = estimate_time(job.cfg, on, records)
     unknown = [j.name for j in jobs if j.runs and (j.time is None or j.time.job_s is None)]
@@ -182,6 +182,8 @@ def format_plan(plan: StudyPlan) -> str:
             assert m is not None and t is not None
             budget = "-" if m.budget_gib is None else f"{m.budget_gib:g}"
             what = m.choices + (f" (preflight: {m.problem})" if m.problem else "")
+            if m.measured_from:
+                what += f"; reserve from the peak measured in {Path(m.measured_from).name}"
             rows.append(
                 [
                     j.name,
@@ -251,6 +253,7 @@ def plan_record(plan: StudyPlan) -> dict[str, Any]:
                 reserve_gib=round(m.reserve_bytes / GiB, 3),
                 budget_gib=m.budget_gib,
                 resolves_to=m.choices,
+                reserve_from=m.measured_from or "estimate",
             )
         if j.time is not None:
             row.update(step_s=j.time.step_s, job_s=j.time.job_s, time_from=j.time.source)

@@ -220,6 +220,8 @@ class GpuPoolLauncher(Launcher):
                     "out_of_memory": oom,
                 },
             )
+            if _status(run_dir) == "completed" and memory is not None:
+                self._learn_peak(sweep_dir, launch_id, packer, jobs, index, name, run_dir)
             if oom:
                 g, job_name, before, after = packer.backoffs[-1]
                 log.warning(
@@ -244,6 +246,42 @@ class GpuPoolLauncher(Launcher):
             sweep_dir, {"event": "launch_end", "launch": launch_id, "wall_clock_s": round(time.time() - started, 1)}
         )
         return [r for r in results if r is not None]
+
+    def _learn_peak(self, sweep_dir: Path, launch_id: str, packer, jobs: list, index: dict, name: str, run_dir) -> None:
+        """A completed job measured more than its estimate: the waiting jobs of its shape reserve what it measured."""
+        peak_gib = _summary(run_dir).get("peak_memory_gib")
+        done = jobs[index[name]].memory
+        if not peak_gib or done is None or not self.pack:
+            return
+        peak = int(float(peak_gib) * 2**30)
+        for waiting in list(packer.pending):
+            planned = jobs[index[waiting.job]]
+            m = planned.memory
+            if m is None or m.shape is None or done.shape is None or not m.shape.matches(done.shape):
+                continue
+            raised = m.measured(peak, str(run_dir), self.headroom)
+            if packer.raise_reservation(waiting.job, raised.reserve_bytes):
+                planned.memory = raised
+                log.warning(
+                    "job %s measured a %.2f GiB allocation peak (estimated %.2f): job %s now reserves %.2f GiB",
+                    name,
+                    peak / 2**30,
+                    done.allocated_bytes / 2**30,
+                    waiting.job,
+                    raised.reserve_bytes / 2**30,
+                )
+                self._record(
+                    sweep_dir,
+                    {
+                        "event": "reserve_raised",
+                        "launch": launch_id,
+                        "job": waiting.job,
+                        "from_job": name,
+                        "peak_gib": _gib(peak),
+                        "reserve_before_gib": _gib(m.reserve_bytes),
+                        "reserve_gib": _gib(raised.reserve_bytes),
+                    },
+                )
 
     def _without_gpu(self, num: int, overrides: list, job_cfg: DictConfig, job) -> JobReturn:
         """A job that needs no GPU: reused (its value again), or failed before starting (recorded in its directory)."""
