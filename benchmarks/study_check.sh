@@ -56,6 +56,12 @@ if ! launched "$WORK/packed"; then
   python3 -m exp.report "$WORK/packed" > "$WORK/report_packed.txt" 2>&1 || echo "exp.report packed: exit $? (see report_packed.txt)"
 fi
 
+# STUDY_ALONE_FROM: a one-at-a-time arm recorded earlier (its job directories, weights not needed): the re-launch
+# below reuses the jobs it completed (same fingerprint) and runs the others. Only valid while the training code is
+# the same as when it ran; the comparison then says how many jobs came from where (their launches).
+if [ -n "${STUDY_ALONE_FROM:-}" ] && [ ! -d "$WORK/alone" ]; then
+  cp -r "$STUDY_ALONE_FROM" "$WORK/alone" && echo "alone: continuing the arm recorded in $STUDY_ALONE_FROM"
+fi
 left=$((DEADLINE - SECONDS))
 if [ "$left" -gt "${STUDY_MIN_LEFT_S:-60}" ] && ! launched "$WORK/alone"; then
   n=$(ls "$WORK"/smi_alone_*.csv 2>/dev/null | wc -l)
