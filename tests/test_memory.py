@@ -286,9 +286,14 @@ def test_largest_micro_batch_fits_and_next_does_not():
 # --- from the composed configuration ---------------------------------------------------------------------------------
 
 
+# What the preflight resolves `hardware=gpu`'s automatic precision and compile to on a CUDA GPU: the estimator takes
+# resolved configs only.
+GPU_RESOLVED = ["hardware=gpu", "hardware.precision=bf16-mixed", "hardware.compile=true"]
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_estimate_for_every_model_option(model: str):
-    cfg = compose_typed([f"model={model}", "hardware=gpu"])
+    cfg = compose_typed([f"model={model}", *GPU_RESOLVED])
     e = estimate_for_config(cfg)
     assert e.total > e.workspace > 0
     assert e.quantized_weights > 0 and e.embeddings > 0 and e.lora_params > 0
@@ -307,7 +312,7 @@ def test_estimate_for_default_cpu_config_uses_fp32():
 def test_gemma_7b_qlora_recipe_is_plausible():
     overrides = [
         "model=gemma_7b",
-        "hardware=gpu",
+        *GPU_RESOLVED,
         "lora=all_linear",
         "lora.r=16",
         "data.max_seq_len=2048",
@@ -324,7 +329,7 @@ def test_gemma_7b_qlora_recipe_is_plausible():
 
 
 def test_suggest_micro_batch_for_config():
-    cfg = compose_typed(["model=gemma_7b", "hardware=gpu", "data.max_seq_len=2048"])
+    cfg = compose_typed(["model=gemma_7b", *GPU_RESOLVED, "data.max_seq_len=2048"])
     b = suggest_micro_batch(cfg, 80 * GiB)
     assert b >= 1
     cfg.hardware.micro_batch_size = b

@@ -579,8 +579,15 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
     """estimate_memory's arguments for a typed `TrainConfig` (everything but the architecture)."""
 
     hw = cfg.hardware
-    # "auto" (resolved by the preflight) becomes bf16-mixed on a GPU and 32-true on the CPU.
-    fp32 = hw.precision == "32-true" or (hw.precision == "auto" and _value(hw.accelerator) == "cpu")
+    # The preflight alone decides what `auto` becomes (exp.hardware.preflight.check): an estimate of an unresolved
+    # config would have to decide it a second time.
+    unresolved = [k for k in ("precision", "compile") if getattr(hw, k) == "auto"]
+    if unresolved:
+        raise ValueError(
+            f"estimate_for_config needs a resolved config (hardware.{', hardware.'.join(unresolved)} is 'auto'): "
+            "pass the config exp.hardware.preflight.check returns"
+        )
+    fp32 = hw.precision == "32-true"
     return dict(
         quant_type=_value(cfg.quantization.quant_type),
         double_quant=bool(cfg.quantization.double_quant),
@@ -600,8 +607,7 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         attn_implementation=cfg.model.attn_implementation,
         # The collator pads each batch to its longest example: assume a mask (the worst case).
         padding_mask=True,
-        # "auto" (before the preflight resolves it) compiles on a GPU.
-        compiled=hw.compile is True or (hw.compile == "auto" and _value(hw.accelerator) != "cpu"),
+        compiled=hw.compile is True,
         dequantized_layers=int(hw.dequantized_layers),
         offload_checkpoints=bool(hw.offload_checkpoints),
     )

@@ -111,8 +111,10 @@ def memory_demand(
     missed.
     """
     if gpu is None or cfg.hardware.accelerator == Accelerator.cpu:
-        est = estimate_for_config(cfg)
-        return MemoryDemand(est.total, est.allocated, int(est.total * (1 + headroom)), None, _choices(cfg))
+        # No GPU to resolve against: the preflight resolves what it can on what this process sees (no GPU).
+        resolved = check(copy.deepcopy(cfg), Environment()).cfg
+        est = estimate_for_config(resolved)
+        return MemoryDemand(est.total, est.allocated, int(est.total * (1 + headroom)), None, _choices(resolved))
     trial = copy.deepcopy(cfg)
     own_budget = trial.hardware.memory_budget_gib
     # As if alone on the GPU: the job's budget then comes from the config, not from what others hold now, so a
