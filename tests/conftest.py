@@ -1,9 +1,10 @@
-"""Shared test setup: a private model cache, GPU tests skipped without CUDA, and one short tiny run (the tests that
-read it are marked slow here)."""
+"""Shared test setup: a private model cache, GPU tests skipped without CUDA, the signal state restored around each
+test, and one short tiny run (the tests that read it are marked slow here)."""
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             name = marker.args[0]
             if SHARED_DATA is None or not (SHARED_DATA / name).is_file():
                 item.add_marker(pytest.mark.skip(reason=f"needs $EXP_SHARED_DATA/{name} (a real public data file)"))
+
+
+@pytest.fixture(autouse=True)
+def signal_state_restored():
+    """Each test starts with a fresh `GUARD` and leaves the process's signal handlers and `GUARD` as it found them.
+
+    `GUARD` is one per process and keeps what a run saw (the signal received, whether it acted, the phase), and
+    Lightning and `GUARD.install()` point the signal handlers at themselves: a test that signals a run, or stops one
+    mid-way, would otherwise hand a pending SIGUSR1 or a stale handler to the next test that trains.
+    """
+    from exp.training.signals import GUARD, SIGNALS
+
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    state = dict(vars(GUARD))
+    GUARD.reset()
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            # None: a handler not installed from Python, which cannot be reinstated; the default stands for it.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        vars(GUARD).update(state)
 
 
 # Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.
