@@ -89,6 +89,18 @@ def compose_typed(overrides: list[str]):
         return to_typed(compose("train", overrides=overrides), ROOT)
 
 
+def encode(tokenizer, row: dict[str, str], max_seq_len: int = 128, train_on_prompt: bool = False):
+    """An Alpaca row {instruction, input, output} encoded as `build_splits` encodes each row of its source: rendered
+    for `data.format` (`render_row`), then tokenised with its loss mask (`encode_rendered`). (Encoded, truncated);
+    (None, True) when truncation leaves no response token."""
+    from exp.core.config import DataConfig, DataFormat
+    from exp.data.datamodule import encode_rendered
+    from exp.data.formats import render_row
+
+    cfg = DataConfig(format=DataFormat.alpaca, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt)
+    return encode_rendered(tokenizer, render_row(cfg, row, tokenizer), cfg.max_seq_len, cfg.train_on_prompt)
+
+
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory: pytest.TempPathFactory):
     """One 30-step run of the default config on the real NF4 CPU path, shared by the tests that inspect it (slow

@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, compose_typed
+from conftest import ROOT, compose_typed, encode
 
 from exp.core.config import ConfigError, LossImpl, Strategy
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate, encode_example
+from exp.data.datamodule import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer
 from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
@@ -139,7 +139,7 @@ def response_only_batch(cfg, n: int = 4) -> dict[str, torch.Tensor]:
     """Synthetic examples with exp's labels: prompt and padding IGNORE_INDEX, the loss on the responses only."""
     tok = build_tokenizer(cfg.model)
     rows = generate_examples(n, seed=7)
-    batch = collate([encode_example(tok, r, 128, False)[0] for r in rows], tok.pad_token_id)
+    batch = collate([encode(tok, r)[0] for r in rows], tok.pad_token_id)
     assert (batch["labels"] == IGNORE_INDEX).any() and (batch["attention_mask"] == 0).any()
     return batch
 

@@ -91,9 +91,9 @@ def test_greedy_generation_is_a_manual_greedy_decode(loaded):
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     assert got == manual
     # The Alpaca prompt is the training encoding: <bos> once, then the template.
-    from exp.data.datamodule import encode_example
+    from conftest import encode
 
-    enc, _ = encode_example(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"}, 128, False)
+    enc, _ = encode(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"})
     first_label = next(i for i, t in enumerate(enc.labels) if t != -100)
     assert prompt_ids(loaded.tokenizer, prompt, words, "alpaca") == enc.input_ids[:first_label]
 
