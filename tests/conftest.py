@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,6 +66,34 @@ def signal_state_restored():
             # None: a handler not installed from Python, which cannot be reinstated; the default stands for it.
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         vars(GUARD).update(state)
+
+
+class Together:
+    """Independent slow steps of a module's tests, run side by side instead of one after another.
+
+    Each step is a function that starts processes (`python -m exp.train`, a sweep and its re-launches) and waits for
+    them. Such a process spends most of its life importing torch, transformers and Lightning on one core, so as many
+    steps run at once as the machine has cores. Only the steps that a selected test reads are started (`uses` names
+    the tests of each step, by name or with its parameters, `test_x[id]`): `pytest -k` on one test starts what that
+    test needs. `get(name)` waits for a step and returns what it returned (or raises what it raised); `close()`
+    waits for them all.
+    """
+
+    def __init__(
+        self, request: pytest.FixtureRequest, steps: dict[str, Callable[[], Any]], uses: dict[str, Iterable[str]]
+    ):
+        items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+        selected = {item.originalname for item in items} | {item.name for item in items}
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        self.futures: dict[str, Future] = {
+            name: self.pool.submit(step) for name, step in steps.items() if selected & set(uses[name])
+        }
+
+    def get(self, name: str) -> Any:
+        return self.futures[name].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.
