@@ -1,10 +1,14 @@
-"""Shared test setup: a private model cache, GPU tests skipped without CUDA, and one short tiny run (the tests that
-read it are marked slow here)."""
+"""Shared test setup: a private model cache, GPU tests skipped without CUDA, the signal state restored around each
+test, and one short tiny run (the tests that read it are marked slow here)."""
 
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +46,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"needs $EXP_SHARED_DATA/{name} (a real public data file)"))
 
 
+@pytest.fixture(autouse=True)
+def signal_state_restored():
+    """Each test starts with a fresh `GUARD` and leaves the process's signal handlers and `GUARD` as it found them.
+
+    `GUARD` is one per process and keeps what a run saw (the signal received, whether it acted, the phase), and
+    Lightning and `GUARD.install()` point the signal handlers at themselves: a test that signals a run, or stops one
+    mid-way, would otherwise hand a pending SIGUSR1 or a stale handler to the next test that trains.
+    """
+    from exp.training.signals import GUARD, SIGNALS
+
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    state = dict(vars(GUARD))
+    GUARD.reset()
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            # None: a handler not installed from Python, which cannot be reinstated; the default stands for it.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        vars(GUARD).update(state)
+
+
+class Together:
+    """Independent slow steps of a module's tests, run side by side instead of one after another.
+
+    Each step is a function that starts processes (`python -m exp.train`, a sweep and its re-launches) and waits for
+    them. Such a process spends most of its life importing torch, transformers and Lightning on one core, so as many
+    steps run at once as the machine has cores. Only the steps that a selected test reads are started (`uses` names
+    the tests of each step, by name or with its parameters, `test_x[id]`): `pytest -k` on one test starts what that
+    test needs. `get(name)` waits for a step and returns what it returned (or raises what it raised); `close()`
+    waits for them all.
+    """
+
+    def __init__(
+        self, request: pytest.FixtureRequest, steps: dict[str, Callable[[], Any]], uses: dict[str, Iterable[str]]
+    ):
+        items = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+        selected = {item.originalname for item in items} | {item.name for item in items}
+        self.pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+        self.futures: dict[str, Future] = {
+            name: self.pool.submit(step) for name, step in steps.items() if selected & set(uses[name])
+        }
+
+    def get(self, name: str) -> Any:
+        return self.futures[name].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 # Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.
 SHORT = [
     "trainer.max_steps=30",
@@ -64,6 +118,18 @@ def compose_typed(overrides: list[str]):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_typed(compose("train", overrides=overrides), ROOT)
+
+
+def encode(tokenizer, row: dict[str, str], max_seq_len: int = 128, train_on_prompt: bool = False):
+    """An Alpaca row {instruction, input, output} encoded as `build_splits` encodes each row of its source: rendered
+    for `data.format` (`render_row`), then tokenised with its loss mask (`encode_rendered`). (Encoded, truncated);
+    (None, True) when truncation leaves no response token."""
+    from exp.core.config import DataConfig, DataFormat
+    from exp.data.datamodule import encode_rendered
+    from exp.data.formats import render_row
+
+    cfg = DataConfig(format=DataFormat.alpaca, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt)
+    return encode_rendered(tokenizer, render_row(cfg, row, tokenizer), cfg.max_seq_len, cfg.train_on_prompt)
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,11 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import Together
 
 # Cheap defaults for the rows that fail late (no W&B, a small generated dataset).
 BASE = ["logger=csv", "data.num_examples=200"]
@@ -116,14 +118,12 @@ def _digest(root: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def make_workspace(root: Path) -> dict[str, Path]:
     """A launch directory holding a finished run (status, config, Hydra record, checkpoint, adapter), a file and an
     empty directory."""
     import torch
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("bad_input")
     run = root / "outputs" / "finished"
     (run / "checkpoints").mkdir(parents=True)
     (run / "adapter").mkdir()
@@ -138,6 +138,37 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "a_file").write_text("not a directory")
     (root / "empty").mkdir()
     return {"root": root, "run": run, "file": root / "a_file", "empty": root / "empty"}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_workspace(tmp_path_factory.mktemp("bad_input"))
+
+
+def refuse(workspace: dict[str, Path], overrides: list[str]):
+    """`python -m exp.train` with a row's overrides in `workspace`; the process, and the finished run's digest and
+    the workspace's directories from before it."""
+    root, run = workspace["root"], workspace["run"]
+    args = [o.format(file=workspace["file"], empty=workspace["empty"]) for o in overrides]
+    if not any(a.startswith("hydra.run.dir=") for a in args):
+        args.append(f"hydra.run.dir={run}")  # aimed at the finished run: it must stay as it is
+    before = _digest(run)
+    dirs = sorted(p for p in root.rglob("*") if p.is_dir())
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", *BASE, *args],
+        cwd=root,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return proc, before, dirs
+
+
+def refused_in(workspace: dict[str, Path], overrides: list[str]):
+    return (workspace, *refuse(workspace, overrides))
 
 
 # The rows refused only once Hydra has started (the typed config's checks, model.path, the LoRA target): their
@@ -164,26 +195,30 @@ LATE = {
     "model-path-without-config",
 }
 ROWS = [pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[0] in LATE else ()) for c in CASES]
+TEST = "test_bad_input_is_refused_clearly_and_touches_nothing"
+
+
+@pytest.fixture(scope="module")
+def late_rows(request, tmp_path_factory: pytest.TempPathFactory) -> Together:
+    """The LATE rows' commands, side by side (each is seconds of imports on one core), each in a workspace of its
+    own: what one of them leaves behind is found in its own row."""
+    rows = {c[0]: c[1] for c in CASES if c[0] in LATE}
+    workspaces = {name: make_workspace(tmp_path_factory.mktemp(f"bad_input_{name}")) for name in rows}
+    steps = {name: partial(refused_in, workspaces[name], rows[name]) for name in rows}
+    together = Together(request, steps, {name: [f"{TEST}[{name}]"] for name in rows})
+    yield together
+    together.close()
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), ROWS)
-def test_bad_input_is_refused_clearly_and_touches_nothing(workspace, overrides: list[str], key: str, fix: str):
+def test_bad_input_is_refused_clearly_and_touches_nothing(request, overrides: list[str], key: str, fix: str):
+    row = request.node.callspec.id
+    if row in LATE:
+        workspace, proc, before, dirs = request.getfixturevalue("late_rows").get(row)
+    else:
+        workspace = request.getfixturevalue("workspace")
+        proc, before, dirs = refuse(workspace, overrides)
     root, run = workspace["root"], workspace["run"]
-    args = [o.format(file=workspace["file"], empty=workspace["empty"]) for o in overrides]
-    if not any(a.startswith("hydra.run.dir=") for a in args):
-        args.append(f"hydra.run.dir={run}")  # aimed at the finished run: it must stay as it is
-    before = _digest(run)
-    dirs = sorted(p for p in root.rglob("*") if p.is_dir())
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "exp.train", *BASE, *args],
-        cwd=root,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert "exp: error:" in proc.stderr, output[-3000:]

@@ -7,15 +7,17 @@ import json
 import math
 import subprocess
 import sys
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, compose_typed
+from conftest import ROOT, Together, compose_typed, encode
 
 from exp.core.config import ConfigError, LossImpl, Strategy
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate, encode_example
+from exp.data.datamodule import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer
 from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
@@ -34,14 +36,64 @@ def read_report(out_dir) -> tuple[dict, str]:
     return json.loads(path.read_text()), path.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow
-def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path):
+def smoke_bench(out: Path):
+    """The CPU smoke settings, baseline and two exp variants; then, if it succeeded, a split ablation that takes the
+    baseline from its result (same settings) and one that may not (another learning rate)."""
     # lr 5e-3 so that four updates move the adapters visibly (compared below through the LoRA B norms).
     # profile=true: the exp rows also say where their profiled steps' time went (by kind of operator on the CPU).
     proc = run_bench(
-        tmp_path, *SMOKE, "lr=5e-3", "profile=true", "variant=baseline", "variant=exp",
+        out, *SMOKE, "lr=5e-3", "profile=true", "variant=baseline", "variant=exp",
         "variant=exp hardware.loss_impl=chunked",
     )  # fmt: skip
+    if proc.returncode != 0:
+        return out, proc, None, None
+    [first] = out.glob("bench-*.json")
+    reused = run_bench(out / "again", *SMOKE, "lr=5e-3", "variant=baseline", f"reference={first}")
+    refused = run_bench(out / "again", *SMOKE, f"reference={first}")  # lr 1e-4: not the same settings
+    return out, proc, reused, refused
+
+
+TINY_ALPACA_WORDS = "red green blue fox owl cat dog sun moon star tree leaf".split()
+REAL_DATA_SPLIT = "exp hardware.micro_batch_size=2"  # 4 micro-batches of different lengths per step
+
+
+def real_data_bench(out: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """Real-data mode on a small Alpaca file: baseline, exp, and exp accumulating 4 micro-batches per step."""
+    words = TINY_ALPACA_WORDS
+    rows = [
+        {
+            "instruction": "Repeat the words.",
+            "input": " ".join(words[: 2 + i % 9]),
+            "output": " ".join(words[: 2 + i % 9]),
+        }
+        for i in range(60)
+    ]
+    data = out / "tiny_alpaca.json"
+    data.write_text(json.dumps(rows))
+    args = ["model=gemma_tiny", "seq=64", "micro_batch=8", "steps=4", "warmup=1"]
+    return out, run_bench(out, *args, f"data={data}", "memory_budget=baseline",
+                          "variant=baseline", "variant=exp", f"variant={REAL_DATA_SPLIT}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def benches(request, tmp_path_factory) -> Together:
+    """The two CPU bench invocations (each a process per variant, mostly imports), side by side."""
+    steps = {
+        "smoke": partial(smoke_bench, tmp_path_factory.mktemp("smoke")),
+        "real-data": partial(real_data_bench, tmp_path_factory.mktemp("real_data")),
+    }
+    uses = {
+        "smoke": ["test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses"],
+        "real-data": ["test_bench_real_data_mode_trains_both_sides_on_the_same_examples"],
+    }
+    together = Together(request, steps, uses)
+    yield together
+    together.close()
+
+
+@pytest.mark.slow
+def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(benches):
+    tmp_path, proc, reused_proc, refused = benches.get("smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
     for key in ("command", "date", "device", "versions", "git", "settings", "flops", "rows", "parity_steps"):
@@ -83,13 +135,10 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(tmp_path)
     # A later invocation (a split ablation) can take the baseline from this result instead of running it again,
     # only when it was measured with the same settings.
     [first] = tmp_path.glob("bench-*.json")
-    again = tmp_path / "again"
-    proc = run_bench(again, *SMOKE, "lr=5e-3", "variant=baseline", f"reference={first}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    reused, _ = read_report(again)
+    assert reused_proc.returncode == 0, reused_proc.stderr[-4000:]
+    reused, _ = read_report(tmp_path / "again")
     assert [r["variant"] for r in reused["rows"]] == ["baseline"] and reused["rows"][0]["reference_from"] == str(first)
-    proc = run_bench(again, *SMOKE, f"reference={first}")  # lr 1e-4: not the same settings
-    assert proc.returncode == 2 and "'lr': (0.005, 0.0001)" in proc.stderr
+    assert refused.returncode == 2 and "'lr': (0.005, 0.0001)" in refused.stderr
 
 
 def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
@@ -139,7 +188,7 @@ def response_only_batch(cfg, n: int = 4) -> dict[str, torch.Tensor]:
     """Synthetic examples with exp's labels: prompt and padding IGNORE_INDEX, the loss on the responses only."""
     tok = build_tokenizer(cfg.model)
     rows = generate_examples(n, seed=7)
-    batch = collate([encode_example(tok, r, 128, False)[0] for r in rows], tok.pad_token_id)
+    batch = collate([encode(tok, r)[0] for r in rows], tok.pad_token_id)
     assert (batch["labels"] == IGNORE_INDEX).any() and (batch["attention_mask"] == 0).any()
     return batch
 
@@ -231,24 +280,11 @@ def test_bench_on_gpu_uses_the_fast_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(tmp_path):
+def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     """Real-data mode on the CPU (a harness test, not a speed claim): the baseline pads each step's examples, exp
     batches them its own way; both are scored on real tokens and by the validation loss after the same steps."""
-    words = "red green blue fox owl cat dog sun moon star tree leaf".split()
-    rows = [
-        {
-            "instruction": "Repeat the words.",
-            "input": " ".join(words[: 2 + i % 9]),
-            "output": " ".join(words[: 2 + i % 9]),
-        }
-        for i in range(60)
-    ]
-    data = tmp_path / "tiny_alpaca.json"
-    data.write_text(json.dumps(rows))
-    args = ["model=gemma_tiny", "seq=64", "micro_batch=8", "steps=4", "warmup=1"]
-    split = "exp hardware.micro_batch_size=2"  # 4 micro-batches of different lengths per step
-    proc = run_bench(tmp_path, *args, f"data={data}", "memory_budget=baseline",
-                     "variant=baseline", "variant=exp", f"variant={split}")  # fmt: skip
+    tmp_path, proc = benches.get("real-data")
+    split = REAL_DATA_SPLIT
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
     base, exp, accumulated = report["rows"]

@@ -6,11 +6,11 @@ import json
 import os
 
 import pytest
-from conftest import SHARED_DATA, SHORT, compose_typed
+from conftest import SHARED_DATA, SHORT, compose_typed, encode
 
 from exp.core.config import ConfigError
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import InstructionDataModule, encode_example, format_prompt, load_examples
+from exp.data.datamodule import InstructionDataModule, all_examples, format_prompt
 from exp.model.build import build_tokenizer
 
 ROW = {"instruction": "Repeat the words exactly.", "input": "red fox", "output": "red fox"}
@@ -22,7 +22,7 @@ def tokenizer():
 
 
 def test_bos_once_eos_last_and_loss_on_the_response_only(tokenizer):
-    enc, truncated = encode_example(tokenizer, ROW, max_seq_len=128, train_on_prompt=False)
+    enc, truncated = encode(tokenizer, ROW, max_seq_len=128, train_on_prompt=False)
     assert not truncated
     assert enc.input_ids[0] == tokenizer.bos_token_id and enc.input_ids.count(tokenizer.bos_token_id) == 1
     assert enc.input_ids[-1] == tokenizer.eos_token_id
@@ -32,19 +32,14 @@ def test_bos_once_eos_last_and_loss_on_the_response_only(tokenizer):
     assert enc.labels[:prompt_len] == [IGNORE_INDEX] * prompt_len
     assert enc.labels[prompt_len:] == enc.input_ids[prompt_len:]  # the response and <eos> carry the loss
     assert tokenizer.decode(enc.input_ids[prompt_len:-1]) == "red fox"
-    full, _ = encode_example(tokenizer, ROW, max_seq_len=128, train_on_prompt=True)
+    full, _ = encode(tokenizer, ROW, max_seq_len=128, train_on_prompt=True)
     assert full.labels == full.input_ids
 
 
 def test_truncation_keeps_the_prompt_and_drops_examples_without_response(tokenizer):
-    enc, truncated = encode_example(
-        tokenizer,
-        ROW,
-        max_seq_len=len(encode_example(tokenizer, ROW, 128, False)[0].input_ids) - 1,
-        train_on_prompt=False,
-    )
+    enc, truncated = encode(tokenizer, ROW, max_seq_len=len(encode(tokenizer, ROW)[0].input_ids) - 1)
     assert truncated and enc.input_ids[-1] != tokenizer.eos_token_id
-    gone, truncated = encode_example(tokenizer, ROW, max_seq_len=8, train_on_prompt=False)
+    gone, truncated = encode(tokenizer, ROW, max_seq_len=8)
     assert gone is None and truncated
 
 
@@ -58,20 +53,21 @@ def test_alpaca_jsonl_with_mapped_columns_and_bad_rows(tmp_path, tokenizer, capl
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     overrides = ["data=alpaca", f"data.path={path}", "data.instruction_field=q", "data.input_field=ctx"]
     cfg = compose_typed(overrides + ["data.output_field=a", "data.val_size=4"]).data
-    examples = load_examples(cfg)
-    assert len(examples) == 20 and examples[3] == {"q": "Say 3", "ctx": "", "a": "3"}
-    assert "skipped 1 row" in caplog.text and "rows [20]" in caplog.text
+    examples = all_examples(cfg, tokenizer)  # the usable rows in file order, encoded from the mapped columns
+    assert len(examples) == 20
+    assert examples[3].input_ids == encode(tokenizer, {"instruction": "Say 3", "input": "", "output": "3"})[0].input_ids
+    assert "skipped 1 of 21 row(s)" in caplog.text and "(rows [20])" in caplog.text
     dm = InstructionDataModule(cfg, tokenizer, micro_batch_size=4)
     assert (dm.stats["train"]["kept"], dm.stats["val"]["kept"], dm.stats["bad_rows"]) == (16, 4, 1)
     assert "row 20: missing 'a'" in caplog.text
 
 
-def test_missing_file_and_missing_column_are_named(tmp_path):
+def test_missing_file_and_missing_column_are_named(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="no such file or directory"):
-        load_examples(compose_typed(["data=alpaca", f"data.path={tmp_path / 'nope.json'}"]).data)
+        all_examples(compose_typed(["data=alpaca", f"data.path={tmp_path / 'nope.json'}"]).data, tokenizer)
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(ConfigError) as e:
-        load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+        all_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data, tokenizer)
     assert (
         "no column 'instruction'" in str(e.value)
         and "prompt" in str(e.value)

@@ -16,10 +16,22 @@ import pytest
 from conftest import compose_typed
 
 from exp.core.config import ConfigError
-from exp.data.datamodule import load_examples
+from exp.data.datamodule import all_examples
 from exp.data.files import CHUNK
+from exp.data.formats import format_prompt
+from exp.model.build import build_tokenizer
 
 ROWS = [{"instruction": f"Say {i}", "input": "", "output": f"{i} é"} for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(compose_typed([]).model)
+
+
+def read(path: Path, tokenizer) -> list:
+    """The usable rows of an Alpaca file at data.path, read and encoded as training reads them (in file order)."""
+    return all_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data, tokenizer)
 
 
 def jsonl(rows=ROWS) -> str:
@@ -101,10 +113,10 @@ def write(root: Path, files: dict[str, bytes]) -> Path:
 
 
 @pytest.mark.parametrize(("files", "message", "fix"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
-def test_a_bad_data_file_is_named_with_the_place_and_the_fix(tmp_path, files, message: str, fix: str):
+def test_a_bad_data_file_is_named_with_the_place_and_the_fix(tmp_path, tokenizer, files, message: str, fix: str):
     path = write(tmp_path / "data", files)
     with pytest.raises(ConfigError) as info:
-        load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+        read(path, tokenizer)
     text = str(info.value)
     assert text.startswith("data.path") and message in text and fix in text, text
     if path.is_file():
@@ -122,32 +134,32 @@ GOOD = [
 
 
 @pytest.mark.parametrize("files", [c[1] for c in GOOD], ids=[c[0] for c in GOOD])
-def test_files_written_differently_are_read(tmp_path, files):
+def test_files_written_differently_are_read(tmp_path, tokenizer, files):
     path = write(tmp_path / "data", files)
-    rows = load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
-    assert len(rows) == 20 and rows[0]["instruction"] == "Say 0"
+    rows = read(path, tokenizer)
+    assert len(rows) == 20
+    assert tokenizer.decode(rows[0].input_ids, skip_special_tokens=True).startswith(format_prompt("Say 0", ""))
 
 
-def test_the_check_streams_and_counts_lines_across_chunks(tmp_path):
+def test_the_check_streams_and_counts_lines_across_chunks(tmp_path, tokenizer):
     """A bad byte far past the first chunk is found with its line number (the file is read in chunks, once)."""
     line = json.dumps(ROWS[0]) + "\n"
     lines = CHUNK // len(line) * 3
     path = tmp_path / "big.jsonl"
     path.write_bytes((line * lines).encode() + b'{"instruction": "caf\xe9"}\n')
     with pytest.raises(ConfigError, match=rf"line {lines + 1} \(byte {len(line) * lines + 20}\)"):
-        load_examples(compose_typed(["data=alpaca", f"data.path={path}"]).data)
+        read(path, tokenizer)
 
 
-def test_a_damaged_datasets_cache_entry_is_rebuilt(tmp_path, monkeypatch, caplog):
+def test_a_damaged_datasets_cache_entry_is_rebuilt(tmp_path, tokenizer, monkeypatch, caplog):
     monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "d.jsonl"
     path.write_text(jsonl())
-    cfg = compose_typed(["data=alpaca", f"data.path={path}"]).data
-    assert len(load_examples(cfg)) == 20
+    assert len(read(path, tokenizer)) == 20
     (arrow,) = (tmp_path / "cache" / "datasets").rglob("*.arrow")
     arrow.write_bytes(arrow.read_bytes()[:100])  # truncated by a full disk, say
     with caplog.at_level(logging.WARNING, logger="exp.data.datamodule"):
-        assert len(load_examples(cfg)) == 20
+        assert len(read(path, tokenizer)) == 20
     assert "the files are sound; rebuilt its datasets cache entry" in caplog.text
 
 
@@ -163,8 +175,8 @@ def test_the_diagnosis_names_a_type_change_by_line(tmp_path):
     )
 
 
-def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path):
+def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path, tokenizer):
     fifo = tmp_path / "d.jsonl"
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match=r"not a regular file or a directory \(a pipe, a socket or a device\)"):
-        load_examples(compose_typed(["data=alpaca", f"data.path={fifo}"]).data)
+        read(fifo, tokenizer)

@@ -8,10 +8,12 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Together
 
 from exp.core.config import ConfigError
 
@@ -91,9 +93,9 @@ def test_greedy_generation_is_a_manual_greedy_decode(loaded):
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     assert got == manual
     # The Alpaca prompt is the training encoding: <bos> once, then the template.
-    from exp.data.datamodule import encode_example
+    from conftest import encode
 
-    enc, _ = encode_example(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"}, 128, False)
+    enc, _ = encode(loaded.tokenizer, {"instruction": prompt, "input": words, "output": "x"})
     first_label = next(i for i, t in enumerate(enc.labels) if t != -100)
     assert prompt_ids(loaded.tokenizer, prompt, words, "alpaca") == enc.input_ids[:first_label]
 
@@ -171,11 +173,44 @@ def test_merge_into_the_original_weights_reports_the_quantization_gap(short_run,
     assert report["quantized_vs_merged"]["kl_mean"] > 1e-4
 
 
-def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, tmp_path, capsys):
-    out = tmp_path / "taken"
+def copy_run(run_dir: Path, dest: Path, adapter: bool = True) -> Path:
+    dest.mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", dest / "config.yaml")
+    if adapter:
+        shutil.copytree(run_dir / "adapter", dest / "adapter")
+    return dest
+
+
+def merge_into_a_taken_dir(run_dir: Path, root: Path):
+    out = root / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    r = cli("exp.merge", f"run={short_run.output_dir}", f"out={out}")
+    return out, cli("exp.merge", f"run={run_dir}", f"out={out}")
+
+
+def evaluate_without_adapter(run_dir: Path, root: Path) -> subprocess.CompletedProcess:
+    return cli("exp.evaluate", f"run={copy_run(run_dir, root / 'noadapter', adapter=False)}")
+
+
+@pytest.fixture(scope="module")
+def refusals(request, short_run, tmp_path_factory) -> Together:
+    """The command lines refused here (each seconds of imports in a process of its own), side by side."""
+    steps = {
+        "merge": partial(merge_into_a_taken_dir, short_run.output_dir, tmp_path_factory.mktemp("merge")),
+        "no-adapter": partial(evaluate_without_adapter, short_run.output_dir, tmp_path_factory.mktemp("evaluate")),
+    }
+    uses = {
+        "merge": ["test_merge_refuses_a_non_empty_out_dir_unless_overwrite"],
+        "no-adapter": ["test_run_dir_without_adapter_fails_clearly"],
+    }
+    together = Together(request, steps, uses)
+    yield together
+    together.close()
+
+
+def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, refusals, capsys):
+    out, r = refusals.get("merge")
+    tmp_path = out.parent
     assert r.returncode == 2
     assert "exp: error:" in r.stderr and "not empty" in r.stderr and "overwrite=true" in r.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
@@ -188,17 +223,8 @@ def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, tmp_path,
     assert not (tmp_path / ".taken.partial").exists()
 
 
-def copy_run(run_dir: Path, dest: Path, adapter: bool = True) -> Path:
-    dest.mkdir(parents=True)
-    shutil.copy(run_dir / "config.yaml", dest / "config.yaml")
-    if adapter:
-        shutil.copytree(run_dir / "adapter", dest / "adapter")
-    return dest
-
-
-def test_run_dir_without_adapter_fails_clearly(short_run, tmp_path):
-    run = copy_run(short_run.output_dir, tmp_path / "noadapter", adapter=False)
-    r = cli("exp.evaluate", f"run={run}")
+def test_run_dir_without_adapter_fails_clearly(refusals):
+    r = refusals.get("no-adapter")
     assert r.returncode == 2
     assert "no adapter" in r.stderr and "adapter_model.safetensors" in r.stderr and "completed run" in r.stderr
     assert "Traceback" not in r.stderr

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_typed
+from conftest import compose_typed, encode
 
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate, encode_example, length_grouped_batches, padding_stats
+from exp.data.datamodule import collate, length_grouped_batches, padding_stats
 from exp.data.packing import pack
 
 
@@ -37,7 +37,7 @@ def test_packed_rows_give_the_same_per_example_losses_as_unpacked_batches(attn):
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(cfg.model), attn_implementation=attn).eval()
     # As in training (exp.model.build turns the cache off): with a KV cache transformers skips packed-sequence detection.
     model.config.use_cache = False
-    examples = [encode_example(tok, r, 128, False)[0] for r in generate_examples(12, seed=3)]
+    examples = [encode(tok, r)[0] for r in generate_examples(12, seed=3)]
     with torch.no_grad():
         unpacked = []
         for e in examples:

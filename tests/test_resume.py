@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Together
 from safetensors.torch import load_file
 
 from exp.run.checkpoints import AtomicCheckpointIO, candidates
@@ -91,12 +93,69 @@ def digest(root: Path) -> dict[str, str]:
     }
 
 
+def whole_run(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    return cwd / "run", cli(cwd, *RUN, "logger=csv", "hydra.run.dir=run")
+
+
+def killed_then_resumed(cwd: Path):
+    """SIGKILL after step 20, then `trainer.resume=auto`; the killed run's files (digest) from before the resume."""
+    killed = interrupted(cwd, "killed", signal.SIGKILL, "step-000020.ckpt", *RUN, "logger=csv")
+    if killed.returncode != -signal.SIGKILL:
+        return cwd, killed, None, None
+    before = digest(cwd / "killed")
+    return cwd, killed, before, cli(cwd, *RUN, "logger=csv", "trainer.resume=auto", "hydra.run.dir=resumed")
+
+
+def stopped_then_resumed(cwd: Path):
+    """SIGTERM after step 20 under W&B, then `trainer.resume=auto`; the stopped run's status, last checkpoint step
+    and whether it has an adapter, read before the resume."""
+    stopped = interrupted(cwd, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, "logger=wandb")
+    if stopped.returncode != REQUEUE_EXIT:
+        return cwd, stopped, None, None
+    status = json.loads((cwd / "first" / "status.json").read_text())
+    step = torch.load(cwd / "first" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    state = (status, step, (cwd / "first" / "adapter").exists())
+    return cwd, stopped, state, cli(cwd, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
+
+
+def warned_by_sigusr1(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    return cwd, interrupted(cwd, "run", signal.SIGUSR1, "step-000020.ckpt", *RUN, "logger=csv")
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    cwd = tmp_path_factory.mktemp("uninterrupted")
-    proc = cli(cwd, *RUN, "logger=csv", "hydra.run.dir=run")
+def runs(request, tmp_path_factory) -> Together:
+    """The runs of this module that depend on no other, side by side: the uninterrupted one and the interrupted
+    ones with their continuations (each in a directory of its own)."""
+    functions = {
+        "whole": whole_run,
+        "killed": killed_then_resumed,
+        "stopped": stopped_then_resumed,
+        "sigusr1": warned_by_sigusr1,
+    }
+    steps = {name: partial(f, tmp_path_factory.mktemp(name)) for name, f in functions.items()}
+    killed = "test_sigkill_then_resume_auto_matches_an_uninterrupted_run"
+    stopped = "test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_run"
+    readers = [
+        "test_resume_from_a_damaged_checkpoint_names_it_and_falls_back_only_when_asked",
+        "test_resume_refuses_a_run_with_a_different_config",
+        "test_checkpoints_keep_the_newest_k_last_and_best",
+    ]
+    uses = {
+        "whole": [*readers, killed, stopped],
+        "killed": [killed],
+        "stopped": [stopped],
+        "sigusr1": ["test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue"],
+    }
+    together = Together(request, steps, uses)
+    yield together
+    together.close()
+
+
+@pytest.fixture
+def uninterrupted(runs) -> Path:
+    run_dir, proc = runs.get("whole")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return cwd / "run"
+    return run_dir
 
 
 def assert_same_training(reference: Path, *pieces: Path) -> None:
@@ -108,11 +167,9 @@ def assert_same_training(reference: Path, *pieces: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tmp_path):
-    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000020.ckpt", *RUN, "logger=csv")
+def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, runs):
+    tmp_path, killed, before, resumed = runs.get("killed")
     assert killed.returncode == -signal.SIGKILL
-    before = digest(tmp_path / "killed")
-    resumed = cli(tmp_path, *RUN, "logger=csv", "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     record = json.loads((tmp_path / "resumed" / "resume.json").read_text())
     assert record["run"] == str((tmp_path / "killed").resolve()) and record["step"] >= 20
@@ -124,17 +181,15 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(uninterrupted, tm
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_run(uninterrupted, tmp_path):
-    stopped = interrupted(tmp_path, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, "logger=wandb")
+def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_run(uninterrupted, runs):
+    tmp_path, stopped, state, resumed = runs.get("stopped")
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
     assert "trainer.resume=auto" in stopped.stderr and "Traceback" not in stopped.stderr
-    status = json.loads((tmp_path / "first" / "status.json").read_text())
+    status, last_step, has_adapter = state
     assert status["status"] == "preempted"
-    last = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert 20 <= last["global_step"] < 60 and f"step {last['global_step']}" in status["error"]
-    assert not (tmp_path / "first" / "adapter").exists()  # an unfinished run has no "final" adapter
+    assert 20 <= last_step < 60 and f"step {last_step}" in status["error"]
+    assert not has_adapter  # an unfinished run has no "final" adapter
 
-    resumed = cli(tmp_path, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_training(uninterrupted, tmp_path / "first", tmp_path / "second")
     # The continuation's bar knows its total and gives an ETA (from its own pace, not the resumed steps'); its log
@@ -143,7 +198,7 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
         -2000:
     ]
     log = (tmp_path / "second" / "train.log").read_text()
-    assert "resuming from" in log and f"step {last['global_step'] + 1}: train/" in log and "step 60: val/" in log
+    assert "resuming from" in log and f"step {last_step + 1}: train/" in log and "step 60: val/" in log
     assert "run preempted: Preempted: stopped by SIGTERM" in (tmp_path / "first" / "train.log").read_text()
     # The same W&B run continues: both offline run directories carry one run id.
     ids = {
@@ -153,8 +208,8 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
 
 
 @pytest.mark.slow
-def test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue(tmp_path):
-    stopped = interrupted(tmp_path, "run", signal.SIGUSR1, "step-000020.ckpt", *RUN, "logger=csv")
+def test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue(runs):
+    tmp_path, stopped = runs.get("sigusr1")
     assert stopped.returncode == REQUEUE_EXIT and "stopped by SIGUSR1" in stopped.stderr
     assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "preempted"
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] >= 20

@@ -13,10 +13,12 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import Together
 
 from exp.core.config import ConfigError, ModelConfig
 from exp.run.compose import CONF_DIR
@@ -54,19 +56,68 @@ def _cli(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: int 
     )
 
 
-@pytest.fixture(scope="module")
-def secret_run(tmp_path_factory: pytest.TempPathFactory):
+def secret_cli_run(launch: Path, home: Path, run_dir: Path, environ: dict[str, str]):
     """A short W&B (offline) run from the CLI with fake secrets in the environment and in Hydra overrides."""
-    launch, home = tmp_path_factory.mktemp("launch"), tmp_path_factory.mktemp("home")
-    run_dir = tmp_path_factory.mktemp("secret_run") / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env = {k: v for k, v in environ.items() if not k.startswith("WANDB_")}
     env.update(ENV_SECRETS, OMP_NUM_THREADS="1", HOME=str(home))
     env["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # a key but no server (nothing listens there): offline, at once
     overrides = [f"+hydra.job.env_set.{k}={v}" for k, v in OVERRIDE_SECRETS.items()]
     overrides.append("hydra.job.env_copy=[MY_SERVICE_PASSWORD]")  # Hydra copies the variable's value into its config
     # A secret's value under a name that does not look secret: found by its value.
     overrides.append(f"+hydra.job.env_set.INNOCENT_NAME={ENV_SECRETS['MY_SERVICE_PASSWORD']}")
-    proc = _cli(launch, *RUN, *overrides, f"hydra.run.dir={run_dir}", env=env)
+    return run_dir, launch, _cli(launch, *RUN, *overrides, f"hydra.run.dir={run_dir}", env=env)
+
+
+def sweep_with_a_secret(cwd: Path, launcher: str, environ: dict[str, str]):
+    """A multirun with a secret in a Hydra override, its jobs failing their validation (lora.r=0) at once."""
+    secret = OVERRIDE_SECRETS["DB_PASSWORD"]
+    sweep = cwd / "sweep"
+    args = ["-m", f"hydra/launcher={launcher}", f"+hydra.job.env_set.DB_PASSWORD={secret}", "lora.r=0,-1"]
+    return sweep, _cli(cwd, *args, f"hydra.sweep.dir={sweep}", env=dict(environ, OMP_NUM_THREADS="1"))
+
+
+def hydra_without_the_check(cwd: Path, environ: dict[str, str]) -> Path:
+    """Hydra's own entry point (no exp.train.cli) given a YAML file whose callback makes a directory: the marker."""
+    marker = cwd / "made_by_os_makedirs"
+    config_dir = _evil_config_dir(cwd / "conf", marker)
+    code = "import sys; from exp.train import main; main()"
+    argv = ["--config-dir", str(config_dir), "experiment=evil", "lora.r=0", "logger=none"]
+    subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=environ, capture_output=True, timeout=120)
+    return marker
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory: pytest.TempPathFactory) -> Together:
+    """The CLI runs of this module's slow tests, side by side. Their environment is the one they start from: the
+    fast tests in between put secrets into it (monkeypatch)."""
+    environ = dict(os.environ)
+    secret = ["launch", "home", "secret_run"]
+    launch, home, run_dir = (tmp_path_factory.mktemp(name) for name in secret)
+    steps = {
+        "secret": partial(secret_cli_run, launch, home, run_dir / "run", environ),
+        "sweep-basic": partial(sweep_with_a_secret, tmp_path_factory.mktemp("sweep"), "basic", environ),
+        "sweep-submitit": partial(sweep_with_a_secret, tmp_path_factory.mktemp("sweep"), "submitit_local", environ),
+        "control": partial(hydra_without_the_check, tmp_path_factory.mktemp("control"), environ),
+    }
+    uses = {
+        "secret": [
+            "test_no_secret_reaches_any_file_the_run_writes",
+            "test_the_hydra_record_is_kept_redacted_and_the_report_reads_it",
+            "test_checkpoints_load_with_weights_only_and_hold_plain_types",
+            "test_weights_are_safetensors",
+        ],
+        "sweep-basic": ["test_a_sweep_writes_no_secret_anywhere[basic]"],
+        "sweep-submitit": ["test_a_sweep_writes_no_secret_anywhere[submitit_local]"],
+        "control": ["test_without_the_check_hydra_would_have_run_it"],
+    }
+    together = Together(request, steps, uses)
+    yield together
+    together.close()
+
+
+@pytest.fixture
+def secret_run(launches):
+    run_dir, launch, proc = launches.get("secret")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, launch, proc
 
@@ -118,13 +169,11 @@ def test_the_hydra_record_is_kept_redacted_and_the_report_reads_it(secret_run):
 
 @pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
 @pytest.mark.slow
-def test_a_sweep_writes_no_secret_anywhere(tmp_path: Path, launcher: str):
+def test_a_sweep_writes_no_secret_anywhere(launches, launcher: str):
     """A multirun's files (multirun.yaml, each job's record, the launcher's submission pickles) hold no secret.
     The jobs fail their validation (lora.r=0) at once: what a sweep writes is the same either way."""
     secret = OVERRIDE_SECRETS["DB_PASSWORD"]
-    sweep = tmp_path / "sweep"
-    args = ["-m", f"hydra/launcher={launcher}", f"+hydra.job.env_set.DB_PASSWORD={secret}", "lora.r=0,-1"]
-    proc = _cli(tmp_path, *args, f"hydra.sweep.dir={sweep}")
+    sweep, proc = launches.get("sweep-basic" if launcher == "basic" else "sweep-submitit")
     assert proc.returncode == 2, proc.stderr[-3000:]  # the exit status counts the failed jobs
     files = [p for p in sweep.rglob("*") if p.is_file()]
     assert (sweep / "multirun.yaml") in files and len(list(sweep.glob("*/.hydra/hydra.yaml"))) == 2
@@ -232,14 +281,9 @@ def test_a_disallowed_target_in_a_yaml_file_is_refused(tmp_path: Path, sweep: bo
 
 
 @pytest.mark.slow
-def test_without_the_check_hydra_would_have_run_it(tmp_path: Path):
+def test_without_the_check_hydra_would_have_run_it(launches):
     """The control: Hydra's own entry point (no exp.train.cli) instantiates the YAML's callback."""
-    marker = tmp_path / "made_by_os_makedirs"
-    config_dir = _evil_config_dir(tmp_path / "conf", marker)
-    code = "import sys; from exp.train import main; main()"
-    argv = ["--config-dir", str(config_dir), "experiment=evil", "lora.r=0", "logger=none"]
-    subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, timeout=120)
-    assert marker.is_dir()
+    assert launches.get("control").is_dir()
 
 
 def test_a_config_that_sweeps_by_itself_is_checked_as_a_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import Together
 
 from exp.run.sweep import job_groups
 
@@ -21,6 +23,7 @@ FAST = [
     "trainer.val_every_n_steps=3",
     "trainer.log_every_n_steps=1",
     "data.num_examples=120",
+    "trainer.sample_count=0",  # no test here reads the samples: 2 s less per job
     "logger=csv",
 ]
 
@@ -40,10 +43,8 @@ def exp(
     )
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep_and_relaunch(cwd: Path):
     """Three jobs, the third made to fail (a target module that does not exist), then the same sweep again."""
-    cwd = tmp_path_factory.mktemp("sweep")
     args = [
         "exp.train",
         "-m",
@@ -57,6 +58,109 @@ def sweep(tmp_path_factory):
     stamps = {p: p.stat().st_mtime_ns for p in adapters}
     second = exp(args, cwd)
     return cwd / "study", first, second, stamps
+
+
+def isolated_jobs(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two identical jobs in one sweep, W&B on."""
+    return cwd, exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], "logger=wandb", "hydra.sweep.dir=iso"], cwd)
+
+
+OPTUNA = ["exp.train", "-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "optuna_lr_rank"]
+
+
+def optuna_and_relaunches(cwd: Path):
+    """The shipped Optuna study, 2 trials of 3 steps, in `opt/`; then re-launched with other settings (job 0 asked
+    for another config) and with the same ones, the files before and after each re-launch."""
+    args = [*OPTUNA, "hydra.sweeper.n_trials=2", *FAST, "hydra.sweep.dir=opt"]
+    first = exp(args, cwd)
+    if first.returncode != 0:
+        return first, None, None, None
+    # What the study found, read before the re-launches.
+    found = (
+        (cwd / "opt" / "optimization_results.yaml").read_text(),
+        [json.loads(p.read_text())["final_val"]["val/loss"] for p in (cwd / "opt").glob("*/summary.json")],
+    )
+    before = _files(cwd)
+    other = exp([*args, "trainer.max_steps=4", "lora.alpha=16"], cwd)
+    other = (other, before, _files(cwd), sorted(p.name for p in (cwd / "opt").iterdir()))
+    results = (cwd / "opt" / "optimization_results.yaml").read_text()
+    before = _files(cwd, but=("train.log", "optimization_results.yaml"))
+    same = exp(args, cwd)
+    after = _files(cwd, but=("train.log", "optimization_results.yaml"))
+    same = (same, before, after, results, (cwd / "opt" / "optimization_results.yaml").read_text())
+    return first, found, other, same
+
+
+def grid_file_sweep(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The shipped grid file, narrowed to one job."""
+    args = ["--config-dir", str(ROOT / "sweeps"), "--config-name", "lora_rank_grid", "lora.r=4"]
+    return cwd, exp(["exp.train", "-m", *args, "trainer.learning_rate=5e-3", *FAST, "hydra.sweep.dir=grid"], cwd)
+
+
+def submitit_sweep(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    args = ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", "lora.r=4,8"]
+    return cwd, exp(["exp.train", "-m", *args, *FAST, "hydra.sweep.dir=sub"], cwd)
+
+
+def gpus_sweep_and_relaunches(cwd: Path):
+    """Two jobs on two named devices (their manifests, read then); the same launch again; once more with job 1's
+    record changed (as if a config default had changed since), the files before and after that last launch."""
+    args = ["exp.train", "-m", "hydra/launcher=gpus", "hydra.launcher.devices=[0,1]", "lora.r=4,8", *FAST]
+    args.append("hydra.sweep.dir=gp")
+    env = {"OMP_NUM_THREADS": "1"}  # two jobs share this machine's cores
+    first = exp(args, cwd, env=env)
+    if first.returncode != 0:
+        return first, None, None, None
+    manifests = [json.loads(p.read_text()) for p in sorted((cwd / "gp").glob("*/manifest.json"))]
+    again = exp(args, cwd, env=env)
+    record = next((cwd / "gp").glob("1_*/sweep_job.json"))
+    job = json.loads(record.read_text())
+    job["config"]["trainer"]["seed"], job["fingerprint"] = 7, "0" * 64
+    record.write_text(json.dumps(job))
+    before = _files(cwd)
+    refused = exp(args, cwd, env=env)
+    return first, manifests, again, (refused, before, _files(cwd))
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """Every launch of this module, each in a directory of its own; a sweep and its re-launches are one step."""
+    functions = {
+        "sweep": sweep_and_relaunch,
+        "isolated": isolated_jobs,
+        "optuna": optuna_and_relaunches,
+        "grid": grid_file_sweep,
+        "submitit": submitit_sweep,
+        "gpus": gpus_sweep_and_relaunches,
+    }
+    # The directories are made here, in pytest's thread: the steps' threads only run commands in them.
+    steps = {name: partial(f, tmp_path_factory.mktemp(name)) for name, f in functions.items()}
+    uses = {
+        "sweep": [
+            "test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on",
+            "test_relaunch_skips_completed_jobs_and_keeps_their_files",
+            "test_report_matches_the_jobs_own_files",
+            "test_report_shows_a_running_job",
+            "test_report_of_one_run_goes_into_that_run_never_the_current_directory",
+        ],
+        "isolated": ["test_jobs_are_isolated"],
+        "optuna": [
+            "test_optuna_sweep_minimises_the_returned_metric",
+            "test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing",
+            "test_a_relaunched_study_with_the_same_settings_reuses_every_trial",
+        ],
+        "grid": ["test_grid_sweep_file_composes_and_runs"],
+        "submitit": ["test_submitit_local_launcher_runs_jobs"],
+        "gpus": ["test_gpu_launcher_gives_each_parallel_job_its_own_device"],
+    }
+    together = Together(request, steps, uses)
+    yield together
+    together.close()
+
+
+@pytest.fixture
+def sweep(launches):
+    return launches.get("sweep")
 
 
 @pytest.mark.slow
@@ -127,9 +231,9 @@ def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_pa
 
 
 @pytest.mark.slow
-def test_jobs_are_isolated(tmp_path):
+def test_jobs_are_isolated(launches):
     """Two identical jobs: a leak of any state from the first (RNG, W&B run, model, globals) would change the second."""
-    proc = exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], "logger=wandb", "hydra.sweep.dir=iso"], tmp_path)
+    tmp_path, proc = launches.get("isolated")
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted((tmp_path / "iso").glob("*/summary.json"))
     assert len(jobs) == 2
@@ -141,17 +245,6 @@ def test_jobs_are_isolated(tmp_path):
     assert str(jobs[1].parent) not in first_log
 
 
-OPTUNA = ["exp.train", "-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "optuna_lr_rank"]
-
-
-@pytest.fixture(scope="module")
-def optuna_study(tmp_path_factory):
-    """The shipped Optuna study, 2 trials of 3 steps, in `opt/`."""
-    cwd = tmp_path_factory.mktemp("optuna")
-    args = [*OPTUNA, "hydra.sweeper.n_trials=2", *FAST, "hydra.sweep.dir=opt"]
-    return cwd, args, exp(args, cwd)
-
-
 def _files(root: Path, but: tuple[str, ...] = ()) -> dict[str, tuple[bytes, int]]:
     return {
         str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
@@ -161,45 +254,42 @@ def _files(root: Path, but: tuple[str, ...] = ()) -> dict[str, tuple[bytes, int]
 
 
 @pytest.mark.slow
-def test_optuna_sweep_minimises_the_returned_metric(optuna_study):
-    cwd, _, proc = optuna_study
+def test_optuna_sweep_minimises_the_returned_metric(launches):
+    proc, found, _, _ = launches.get("optuna")
     assert proc.returncode == 0, proc.stderr[-3000:]
     from omegaconf import OmegaConf
 
-    result = OmegaConf.load(cwd / "opt" / "optimization_results.yaml")
-    finals = [json.loads(p.read_text())["final_val"]["val/loss"] for p in (cwd / "opt").glob("*/summary.json")]
+    text, finals = found
+    result = OmegaConf.create(text)
     assert len(finals) == 2 and result.best_value == pytest.approx(min(finals))
     assert set(result.best_params) == {"trainer.learning_rate", "lora.r", "lora.alpha", "lora.dropout"}
 
 
 @pytest.mark.slow
-def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(optuna_study):
+def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(launches):
     """Job 0 of the re-launch is asked for other settings: reusing opt/0 would report its results for them."""
-    cwd, args, first = optuna_study
+    first, _, other, _ = launches.get("optuna")
     assert first.returncode == 0, first.stderr[-3000:]
-    before = _files(cwd)
-    proc = exp([*args, "trainer.max_steps=4", "lora.alpha=16"], cwd)
+    proc, before, after, names = other
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.split("exp: error: ", 1)[1]
     assert message.startswith("hydra.sweep.dir=opt already holds a job 0 that was asked to run another config")
     assert "trainer.max_steps: 3 there, 4 now" in message and "lora.alpha: " in message
     assert "Fix: give this study its own directory, hydra.sweep.dir=opt_2" in message
     assert "Traceback" not in proc.stderr and "Best value" not in proc.stdout + proc.stderr
-    assert _files(cwd) == before  # optimization_results.yaml, every job's files and records: as they were
-    assert sorted(p.name for p in (cwd / "opt").iterdir()) == ["0", "1", "optimization_results.yaml"]
+    assert after == before  # optimization_results.yaml, every job's files and records: as they were
+    assert names == ["0", "1", "optimization_results.yaml"]
 
 
 @pytest.mark.slow
-def test_a_relaunched_study_with_the_same_settings_reuses_every_trial(optuna_study):
-    cwd, args, first = optuna_study
+def test_a_relaunched_study_with_the_same_settings_reuses_every_trial(launches):
+    first, _, _, same = launches.get("optuna")
     assert first.returncode == 0, first.stderr[-3000:]
-    results = (cwd / "opt" / "optimization_results.yaml").read_text()
-    before = _files(cwd, but=("train.log", "optimization_results.yaml"))
-    proc = exp(args, cwd)
+    proc, before, after, results, results_after = same
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).count("already completed with this config, skipped") == 2
-    assert _files(cwd, but=("train.log", "optimization_results.yaml")) == before
-    assert (cwd / "opt" / "optimization_results.yaml").read_text() == results  # the same study, the same best
+    assert after == before
+    assert results_after == results  # the same study, the same best
 
 
 def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp_path):
@@ -231,40 +321,15 @@ def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp
 
 
 @pytest.mark.slow
-def test_grid_sweep_file_composes_and_runs(tmp_path):
-    proc = exp(
-        [
-            "exp.train",
-            "-m",
-            "--config-dir",
-            str(ROOT / "sweeps"),
-            "--config-name",
-            "lora_rank_grid",
-            "lora.r=4",
-            "trainer.learning_rate=5e-3",
-            *FAST,
-            "hydra.sweep.dir=grid",
-        ],
-        tmp_path,
-    )
+def test_grid_sweep_file_composes_and_runs(launches):
+    tmp_path, proc = launches.get("grid")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list((tmp_path / "grid").glob("*/summary.json"))) == 1
 
 
 @pytest.mark.slow
-def test_submitit_local_launcher_runs_jobs(tmp_path):
-    proc = exp(
-        [
-            "exp.train",
-            "-m",
-            "hydra/launcher=submitit_local",
-            "hydra.launcher.timeout_min=10",
-            "lora.r=4,8",
-            *FAST,
-            "hydra.sweep.dir=sub",
-        ],
-        tmp_path,
-    )
+def test_submitit_local_launcher_runs_jobs(launches):
+    tmp_path, proc = launches.get("submitit")
     assert proc.returncode == 0, proc.stderr[-3000:]
     statuses = [json.loads(p.read_text())["status"] for p in (tmp_path / "sub").glob("*/status.json")]
     assert statuses == ["completed", "completed"]
@@ -288,29 +353,19 @@ def test_slurm_launcher_config_composes(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_launcher_gives_each_parallel_job_its_own_device(tmp_path):
+def test_gpu_launcher_gives_each_parallel_job_its_own_device(launches):
     """Devices named explicitly so the test runs without GPUs: each job must see exactly its own one. Re-launched,
     the completed jobs are reused; with one job's record changed (as if a config default had changed since), the
     launch is refused before any job starts."""
-    args = ["exp.train", "-m", "hydra/launcher=gpus", "hydra.launcher.devices=[0,1]", "lora.r=4,8", *FAST]
-    args.append("hydra.sweep.dir=gp")
-    env = {"OMP_NUM_THREADS": "1"}  # two jobs share this machine's cores
-    proc = exp(args, tmp_path, env=env)
+    proc, manifests, again, last = launches.get("gpus")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifests = [json.loads(p.read_text()) for p in sorted((tmp_path / "gp").glob("*/manifest.json"))]
     assert sorted(m["hardware"]["cuda_visible_devices"] for m in manifests) == ["0", "1"]
     assert "Launching 2 jobs on 2 GPU(s)" in proc.stdout + proc.stderr
 
-    again = exp(args, tmp_path, env=env)
     assert again.returncode == 0 and (again.stdout + again.stderr).count("already completed with this config") == 2
-    record = next((tmp_path / "gp").glob("1_*/sweep_job.json"))
-    job = json.loads(record.read_text())
-    job["config"]["trainer"]["seed"], job["fingerprint"] = 7, "0" * 64
-    record.write_text(json.dumps(job))
-    before = _files(tmp_path)
-    refused = exp(args, tmp_path, env=env)
+    refused, before, after = last
     assert refused.returncode == 2 and "trainer.seed: 7 there, 0 now" in refused.stderr, refused.stderr[-3000:]
-    assert "Launching" not in refused.stdout + refused.stderr and _files(tmp_path) == before
+    assert "Launching" not in refused.stdout + refused.stderr and after == before
 
 
 def test_gpu_launcher_without_a_gpu_says_so_and_writes_nothing(tmp_path):

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import SHORT, compose_typed
+from conftest import SHORT, compose_typed, encode
 
 from exp.core.config import ConfigError
-from exp.data.datamodule import collate, encode_example
+from exp.data.datamodule import collate
 from exp.data.synthetic import generate_examples
 from exp.hardware import memory
 from exp.model.build import build_model, build_tokenizer, decoder_layers, resolve_checkpoint
@@ -22,7 +22,7 @@ compose = compose_typed
 def fixed_batches(cfg, n_batches: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     tok = build_tokenizer(cfg.model)
     rows = generate_examples(n_batches * batch_size, seed=123)
-    enc = [encode_example(tok, r, cfg.data.max_seq_len, False)[0] for r in rows]
+    enc = [encode(tok, r, cfg.data.max_seq_len)[0] for r in rows]
     return [collate(enc[i : i + batch_size], tok.pad_token_id) for i in range(0, len(enc), batch_size)]
 
 

@@ -87,7 +87,8 @@ class GenerationOptions:
 def prompt_ids(tokenizer: Any, prompt: str, input_text: str, template: str) -> list[int]:
     """Token ids of the prompt, ending where the model's answer begins."""
     if template == "alpaca":
-        # As exp.data.datamodule.encode_example: the text without special tokens, `<bos>` added once.
+        # As training encodes an Alpaca row (exp.data.datamodule.encode_rendered): the text without special
+        # tokens, `<bos>` added once.
         text = format_prompt(prompt, input_text)
         return [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
     if not tokenizer.chat_template:

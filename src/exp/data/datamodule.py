@@ -44,10 +44,8 @@ __all__ = [
     "build_datamodule",
     "build_splits",
     "collate",
-    "encode_example",
     "encode_rendered",
     "format_prompt",
-    "load_examples",
 ]
 
 
@@ -93,14 +91,6 @@ def encode_rendered(
         ids.copy() if train_on_prompt else [t if r else IGNORE_INDEX for t, r in zip(ids, is_response, strict=True)]
     )
     return Encoded(ids, labels, truncated), truncated
-
-
-def encode_example(
-    tokenizer: Any, row: dict[str, str], max_seq_len: int, train_on_prompt: bool
-) -> tuple[Encoded | None, bool]:
-    """An Alpaca row {instruction, input, output}: the Alpaca prompt, then the output and `<eos>`."""
-    rendered = Rendered([format_prompt(row["instruction"], row.get("input") or ""), row["output"]], [False, True])
-    return encode_rendered(tokenizer, rendered, max_seq_len, train_on_prompt)
 
 
 def _encode_row(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
@@ -284,30 +274,6 @@ def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:
             shown,
         )
     return [i for i, e in enumerate(errors) if not e]
-
-
-def load_examples(cfg: DataConfig, tokenizer: Any = None) -> list[dict[str, Any]]:
-    """The usable raw rows of `data.path`, unencoded and unsplit, to inspect a source (bad rows skipped and reported,
-    or failing per config). Chat rows are checked only with a tokenizer (their rendering needs its template).
-    Examples to train or evaluate on come from `build_splits` / `all_examples`."""
-    source = read_source(cfg, cfg.path, "data.path")
-    rows = source.rows
-    check_columns(cfg, source)
-    kept, bad = [], []
-    for i, row in enumerate(rows):
-        try:
-            if cfg.format not in (DataFormat.chat, DataFormat.sharegpt) or tokenizer is not None:
-                render_row(cfg, row, tokenizer)
-            kept.append(row)
-        except BadRow as e:
-            bad.append((i, str(e)))
-    if bad and (cfg.on_bad_rows == BadRows.fail or not kept):
-        raise ConfigError(f"{source.name}: {len(bad)} rows unusable (rows {[i for i, _ in bad[:20]]}: {bad[0][1]})")
-    if bad:
-        log.warning(
-            "data: skipped %d row(s) of %s (rows %s): %s", len(bad), source.name, [i for i, _ in bad], bad[0][1]
-        )
-    return kept
 
 
 def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], list[Any]]:
