@@ -107,6 +107,8 @@ def test_suite() -> str:
         text=True,
     )
     minutes = (time.time() - started) / 60
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = commit.strip() or "unknown"
     (RESULTS / "readme_tests.txt").write_text(
         f"$ python -m pytest -q   # {minutes:.1f} min wall\n{proc.stdout[-20000:]}"
     )
@@ -115,7 +117,10 @@ def test_suite() -> str:
         raise SystemExit(f"readme_figures: the test suite did not pass: {line}")
     counts = re.sub(r" in [\d.]+s.*$", "", line)  # "536 passed, 15 skipped, 3 warnings"
     counts = ", ".join(part for part in counts.split(", ") if "warning" not in part)
-    return f"Measured: {counts} in {minutes:.0f} minutes on {os.cpu_count()} CPU cores (`python benchmarks/readme_figures.py tests`)."
+    return (
+        f"Measured at commit {commit}: {counts} in {minutes:.0f} minutes on {os.cpu_count()} CPU cores "
+        "(`python benchmarks/readme_figures.py tests`)."
+    )
 
 
 FIGURES = {"default-run": default_run, "tests": test_suite}
