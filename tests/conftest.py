@@ -75,8 +75,8 @@ class Together:
     them. Such a process spends most of its life importing torch, transformers and Lightning on one core, so as many
     steps run at once as the machine has cores. Only the steps that a selected test reads are started (`uses` names
     the tests of each step, by name or with its parameters, `test_x[id]`): `pytest -k` on one test starts what that
-    test needs. `get(name)` waits for a step and returns what it returned (or raises what it raised); `close()`
-    waits for them all.
+    test needs. `get(name)` waits for a step and returns what it returned (or raises what it raised); `close()` (or
+    leaving a `with` block) waits for them all.
     """
 
     def __init__(
@@ -94,6 +94,12 @@ class Together:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Together:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # Overrides for short CPU runs: few steps, no warmup, W&B off unless a test asks for it.

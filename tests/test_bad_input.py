@@ -205,9 +205,8 @@ def late_rows(request, tmp_path_factory: pytest.TempPathFactory) -> Together:
     rows = {c[0]: c[1] for c in CASES if c[0] in LATE}
     workspaces = {name: make_workspace(tmp_path_factory.mktemp(f"bad_input_{name}")) for name in rows}
     steps = {name: partial(refused_in, workspaces[name], rows[name]) for name in rows}
-    together = Together(request, steps, {name: [f"{TEST}[{name}]"] for name in rows})
-    yield together
-    together.close()
+    with Together(request, steps, {name: [f"{TEST}[{name}]"] for name in rows}) as together:
+        yield together
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), ROWS)

@@ -86,9 +86,8 @@ def benches(request, tmp_path_factory) -> Together:
         "smoke": ["test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses"],
         "real-data": ["test_bench_real_data_mode_trains_both_sides_on_the_same_examples"],
     }
-    together = Together(request, steps, uses)
-    yield together
-    together.close()
+    with Together(request, steps, uses) as together:
+        yield together
 
 
 @pytest.mark.slow

@@ -203,9 +203,8 @@ def refusals(request, short_run, tmp_path_factory) -> Together:
         "merge": ["test_merge_refuses_a_non_empty_out_dir_unless_overwrite"],
         "no-adapter": ["test_run_dir_without_adapter_fails_clearly"],
     }
-    together = Together(request, steps, uses)
-    yield together
-    together.close()
+    with Together(request, steps, uses) as together:
+        yield together
 
 
 def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, refusals, capsys):

@@ -146,9 +146,8 @@ def runs(request, tmp_path_factory) -> Together:
         "stopped": [stopped],
         "sigusr1": ["test_sigusr1_the_slurm_warning_signal_also_checkpoints_and_exits_for_requeue"],
     }
-    together = Together(request, steps, uses)
-    yield together
-    together.close()
+    with Together(request, steps, uses) as together:
+        yield together
 
 
 @pytest.fixture

@@ -257,10 +257,14 @@ def test_a_sweep_job_with_long_overrides_gets_a_name_the_file_system_takes():
 
 def test_the_sweep_config_names_jobs_through_the_resolver():
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import open_dict
 
     from exp.run.compose import CONF_DIR
+    from exp.run.dirs import sweep_job_dir_name
 
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         cfg = compose("train", return_hydra_config=True)
-    assert OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"].startswith("${exp.job_dir:")
+    long = ",".join(f"trainer.key_{i}=value_{i}" for i in range(20))
+    with open_dict(cfg):
+        cfg.hydra.job.num, cfg.hydra.job.override_dirname = 7, long
+    assert cfg.hydra.sweep.subdir == sweep_job_dir_name(7, long) != f"7_{long}"

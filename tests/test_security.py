@@ -110,9 +110,8 @@ def launches(request, tmp_path_factory: pytest.TempPathFactory) -> Together:
         "sweep-submitit": ["test_a_sweep_writes_no_secret_anywhere[submitit_local]"],
         "control": ["test_without_the_check_hydra_would_have_run_it"],
     }
-    together = Together(request, steps, uses)
-    yield together
-    together.close()
+    with Together(request, steps, uses) as together:
+        yield together
 
 
 @pytest.fixture

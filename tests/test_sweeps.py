@@ -153,9 +153,8 @@ def launches(request, tmp_path_factory):
         "submitit": ["test_submitit_local_launcher_runs_jobs"],
         "gpus": ["test_gpu_launcher_gives_each_parallel_job_its_own_device"],
     }
-    together = Together(request, steps, uses)
-    yield together
-    together.close()
+    with Together(request, steps, uses) as together:
+        yield together
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +64,9 @@ class MemoryShape:
         return self.key == other.key and abs(a - b) <= SAME_SHAPE_TOLERANCE * max(a, b)
 
 
-def memory_shape(cfg: TrainConfig) -> MemoryShape:
-    """The shape of a resolved config (what the preflight wrote into config.yaml)."""
+def memory_shape(cfg: TrainConfig, allocated_bytes: int | None = None) -> MemoryShape:
+    """The shape of a resolved config (what the preflight wrote into config.yaml); `allocated_bytes`: its
+    estimated allocation when the caller has it already."""
     d = config_dict(cfg)
     key = {
         "model": d["model"],
@@ -74,7 +76,9 @@ def memory_shape(cfg: TrainConfig) -> MemoryShape:
         "lora": {k: d["lora"][k] for k in ("target_modules", "dropout", "modules_to_save", "bias")},
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return MemoryShape(digest, estimate_for_config(cfg).allocated)
+    if allocated_bytes is None:
+        allocated_bytes = estimate_for_config(cfg).allocated
+    return MemoryShape(digest, allocated_bytes)
 
 
 @dataclass
@@ -102,7 +106,7 @@ class MemoryDemand:
 
 
 def memory_demand(
-    cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_HEADROOM, records: list[StepRecord] = ()
+    cfg: TrainConfig, gpu: Gpu | None, headroom: float = DEFAULT_HEADROOM, records: Sequence[StepRecord] = ()
 ) -> MemoryDemand:
     """The job's memory as its preflight will resolve it on `gpu` (None or a CPU config: the config as it is).
 
@@ -125,7 +129,7 @@ def memory_demand(
     est = estimate_for_config(resolved)
     problem = "; ".join(f.message.splitlines()[0] for f in result.findings)
     budget = own_budget if own_budget is not None else math.ceil(est.total / GiB * 100) / 100
-    shape = memory_shape(resolved)
+    shape = memory_shape(resolved, est.allocated)
     demand = MemoryDemand(
         est.total,
         est.allocated,

@@ -204,6 +204,7 @@ class GpuPoolLauncher(Launcher):
             oom = run_dir is not None and ran_out_of_memory(run_dir)
             packer.finish(name, out_of_memory=oom)
             memory = jobs[index[name]].memory
+            status = _status(run_dir)
             self._record(
                 sweep_dir,
                 {
@@ -213,14 +214,14 @@ class GpuPoolLauncher(Launcher):
                     "job": name,
                     "run_dir": run_dir.name if run_dir is not None else None,  # a re-run attempt: <job>_1, ...
                     "gpu": gpu,
-                    "status": _status(run_dir),
+                    "status": status,
                     "seconds": round(seconds, 1),
                     "peak_gib": _summary(run_dir).get("peak_memory_gib"),
                     "estimate_allocated_gib": _gib(memory.allocated_bytes) if memory else None,
                     "out_of_memory": oom,
                 },
             )
-            if _status(run_dir) == "completed" and memory is not None:
+            if status == "completed" and memory is not None:
                 self._learn_peak(sweep_dir, launch_id, packer, jobs, index, name, run_dir)
             if oom:
                 g, job_name, before, after = packer.backoffs[-1]
