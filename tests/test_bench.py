@@ -21,6 +21,7 @@ from exp.data.datamodule import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer
 from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
+from exp.model.metrics import batch_response_metrics, chunked_response_metrics, response_metrics
 from exp.training.module import build_optimizer
 
 SMOKE = ["model=gemma_tiny", "seq=64", "micro_batch=2", "steps=5", "warmup=2"]
@@ -236,6 +237,67 @@ def test_chunked_loss_keeps_gemma2_final_logit_softcap():
     model.config.final_logit_softcapping = None
     uncapped, _ = loss_and_grads(model, batch, LossImpl.chunked)
     assert abs(uncapped - hf_loss) > 1e-3
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_chunked_metrics_match_the_full_logits_metrics(softcap):
+    torch.manual_seed(0)
+    b, t, v = 3, 9, 40
+    hidden = torch.randn(b, t, 16, dtype=torch.float64)
+    weight = torch.randn(v, 16, dtype=torch.float64)
+    labels = torch.randint(0, v, (b, t))
+    labels[:, :3] = IGNORE_INDEX  # prompts
+    labels[2] = IGNORE_INDEX  # a row without a response: not an example, not an exact match
+    logits = hidden @ weight.t()
+    logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+    # Row 0 answered perfectly (teacher-forced): every next response token is the arg-max.
+    labels[0, 3:] = logits[0, 2:-1].argmax(-1)
+    full = response_metrics(logits, labels)
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    got = chunked_response_metrics(hidden.reshape(b * t, -1), weight, targets.reshape(-1), b, softcap, chunk_tokens=4)
+    assert got["loss_sum"].item() == pytest.approx(full["loss_sum"].item(), rel=1e-6)  # both in fp32
+    assert {k: int(got[k]) for k in ("tokens", "hits", "exact", "examples")} == {
+        k: int(full[k]) for k in ("tokens", "hits", "exact", "examples")
+    }
+    assert int(got["tokens"]) == 2 * 6 and int(got["examples"]) == 2 and int(got["exact"]) >= 1
+    # By hand, in float64: position p predicts label p + 1, over the response labels (positions 3 to 8) of rows 0, 1.
+    z, t = logits[:2, 2:-1], labels[:2, 3:]
+    by_hand = (torch.logsumexp(z, -1) - z.gather(2, t[..., None]).squeeze(2)).sum()
+    assert full["loss_sum"].item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+class _LargestOutput(torch.utils._python_dispatch.TorchDispatchMode):
+    """The element count of the largest tensor any op produces inside the mode."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+@pytest.mark.slow
+def test_validation_metrics_follow_the_loss_and_hold_one_chunk_of_logits(monkeypatch: pytest.MonkeyPatch):
+    """With the chunked loss, validation's metrics are the full-logits ones without ever holding [tokens, vocab]."""
+    import exp.model.metrics
+
+    cfg = compose_typed(["lora.dropout=0", "logger=none"])
+    model = build_model(cfg, "cpu").eval()
+    batch = response_only_batch(cfg)
+    vocab, tokens = model.config.vocab_size, batch["input_ids"].numel()
+    monkeypatch.setattr(exp.model.metrics, "CHUNK_LOGIT_BYTES", 7 * 4 * vocab)  # 7 tokens per chunk
+    with torch.no_grad():
+        with _LargestOutput() as full_mode:
+            full = batch_response_metrics(model, batch, LossImpl.hf)
+        with _LargestOutput() as chunked_mode:
+            chunked = batch_response_metrics(model, batch, LossImpl.chunked)
+    assert full_mode.largest >= tokens * vocab  # the check can see a full-logits tensor
+    assert chunked_mode.largest <= max(7 * vocab, model.config.intermediate_size * tokens)
+    assert chunked["loss_sum"].item() == pytest.approx(full["loss_sum"].item(), rel=1e-5)
+    assert all(int(chunked[k]) == int(full[k]) for k in ("tokens", "hits", "exact", "examples"))
 
 
 def test_loss_impl_is_resolved_per_device_with_fallbacks():

@@ -32,6 +32,13 @@ def test_gemma_2b_trains_on_one_gpu(tmp_path):
     assert summary["peak_memory_gib"] > 1.0 and summary["tokens_per_s_median"] > 0
     (placement,) = summary["placement_per_rank"]
     assert placement == {"root_device": "cuda:0", "frozen": ["cuda:0"], "trainable": ["cuda:0"]}
+    # The run ends with a validation pass: its peak stays within the packer's headroom (10%) of the estimated
+    # training-step allocation of the resolved config.
+    from exp.hardware.memory import GiB, estimate_for_config
+    from exp.run.compose import load_run_config
+
+    estimate = estimate_for_config(load_run_config(tmp_path))
+    assert summary["peak_memory_gib"] * GiB <= 1.1 * estimate.allocated, (summary["peak_memory_gib"], estimate)
 
 
 def test_quantized_weights_and_adapters_live_on_the_strategy_device():

@@ -26,8 +26,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
-from exp.core.config import ConfigError, DataConfig, DataFormat
+from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl
 from exp.data.datamodule import Encoded, all_examples, build_splits, collate
+from exp.model.loss import resolve_loss_impl
+from exp.model.metrics import batch_response_metrics
 from exp.run.dirs import RunLayout, write_json
 from exp.run.inference import (
     RUN_CONFIG_HELP,
@@ -40,7 +42,6 @@ from exp.run.inference import (
     resolve_run_dir,
     run_cli,
 )
-from exp.training.module import response_metrics
 
 TOOL = Tool(
     "exp.evaluate",
@@ -119,14 +120,14 @@ def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: b
 
 
 @torch.no_grad()
-def score(model: Any, loader: DataLoader, device: torch.device) -> dict[str, float]:
-    """Token-weighted loss, perplexity, token accuracy and exact match, summed as training's validation does."""
+def score(model: Any, loader: DataLoader, device: torch.device, impl: LossImpl) -> dict[str, float]:
+    """Token-weighted loss, perplexity, token accuracy and exact match, summed as training's validation does (with
+    the logits computed the way the training loss `impl` computes them)."""
 
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        for k, v in response_metrics(logits, batch["labels"]).items():
+        for k, v in batch_response_metrics(model, batch, impl).items():
             sums[k] = sums.get(k, 0) + v.to(torch.float64).cpu()
     loss = float(sums["loss_sum"] / sums["tokens"])
     return {
@@ -174,6 +175,8 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     batch_size = args["batch_size"] or loaded.cfg.hardware.micro_batch_size
     whole = bool(args["data"])
     loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole)
+    # The logits as the run's training loss computed them: in chunks unless its head or strategy rules that out.
+    impl = resolve_loss_impl(loaded.cfg, loaded.model, loaded.device).impl
     report: dict[str, Any] = {
         "run": str(run_dir),
         "weights": str(ckpt) if ckpt else str(RunLayout(run_dir).adapter),
@@ -182,7 +185,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
             "path": data_cfg.path,
             "split": split_name(data_cfg, whole),
         },
-        **score(loaded.model, loader, loaded.device),
+        **score(loaded.model, loader, loaded.device, impl),
     }
     if args["lm_eval"]:
         report["lm_eval"] = run_lm_eval(loaded, args["lm_eval"], batch_size, args["lm_eval_limit"])

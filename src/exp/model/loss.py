@@ -19,6 +19,7 @@ root), `resolve_loss_impl` falls back to `hf` and says why.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,29 +70,48 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+@dataclass(frozen=True)
+class HeadInputs:
+    """What the output head sees for a batch, flattened to rows: the decoder's last hidden states [N, H] and the
+    next-token targets [N] (IGNORE_INDEX where no loss is taken), both on the head's device, with its weight and
+    softcap."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    weight: torch.Tensor
+    softcap: float | None
+
+
+def head_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> HeadInputs:
+    """The decoder's output for `batch`, as *ForCausalLM.forward computes it before its head (no generation cache)."""
+    lm = _causal_lm(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = lm.model(**inputs, use_cache=False).last_hidden_state
+    weight = lm.get_output_embeddings().weight
+    # Position t predicts token t+1: pad the labels by one IGNORE on the right and shift, as transformers'
+    # ForCausalLMLoss does, so the hidden states need no (copying) slice.
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    # Model parallelism puts the head on the first GPU and the last layers elsewhere: meet where the head is.
+    return HeadInputs(
+        hidden=hidden.reshape(-1, hidden.shape[-1]).to(weight.device),
+        targets=targets.reshape(-1).to(weight.device),
+        weight=weight,
+        softcap=getattr(lm.config, "final_logit_softcapping", None),
+    )
+
+
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
     """Mean cross-entropy of next-token prediction over the loss-bearing tokens, as `model(**batch).loss`."""
     if impl == LossImpl.hf:
         return model(**batch).loss
-    lm = _causal_lm(model)
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    # What *ForCausalLM.forward does before its head: the decoder, without a generation cache.
-    hidden = lm.model(**inputs, use_cache=False).last_hidden_state
-    head = lm.get_output_embeddings()
-    labels = batch["labels"]
-    # Position t predicts token t+1: pad the labels by one IGNORE on the right and shift, as transformers'
-    # ForCausalLMLoss does, so the hidden states need no (copying) slice.
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    weight = head.weight
-    # Model parallelism puts the head on the first GPU and the last layers elsewhere: meet where the head is.
-    hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
-    targets = targets.reshape(-1).to(weight.device)
-    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    h = head_inputs(model, batch)
     if impl == LossImpl.liger:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=softcap)(weight, hidden, targets)
-    return chunked_linear_cross_entropy(hidden, weight, targets, softcap)
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=h.softcap)(
+            h.weight, h.hidden, h.targets
+        )
+    return chunked_linear_cross_entropy(h.hidden, h.weight, h.targets, h.softcap)
 
 
 def chunked_linear_cross_entropy(

@@ -13,13 +13,13 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, Strategy, TrainConfig, TrainerConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.model.build import build_model
 from exp.model.loss import causal_lm_loss, resolve_loss_impl
 from exp.model.loss_plan import LossChoice
+from exp.model.metrics import batch_response_metrics
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
 
@@ -39,33 +39,6 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) 
     if schedule == Schedule.linear:
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Summed loss, token hits and exact matches over loss-bearing (response) tokens of a batch.
-
-    Sums, not means, so that metrics over a whole split weight every token (and every example) equally.
-    Exact match is teacher-forced: every response token (and `<eos>`) is the arg-max, which is exactly when
-    greedy decoding reproduces the reference answer.
-    """
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    mask = shift_labels != IGNORE_INDEX
-    loss_sum = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    hits = (shift_logits.argmax(-1) == shift_labels) & mask
-    exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)
-    return {
-        "loss_sum": loss_sum.detach(),
-        "tokens": mask.sum(),
-        "hits": hits.sum(),
-        "exact": exact.sum(),
-        "examples": mask.any(dim=1).sum(),
-    }
 
 
 def step_token_weighted(
@@ -300,11 +273,7 @@ class QLoRAModule(L.LightningModule):
         self._val_sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        # No labels (transformers would compute a second loss over fp32 logits) and no KV cache (nothing is
-        # generated; with a compiled layer the cache's bookkeeping also makes Dynamo recompile).
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        out = self.model(**inputs, use_cache=False)
-        for k, v in response_metrics(out.logits, batch["labels"]).items():
+        for k, v in batch_response_metrics(self.model, batch, self.loss_choice.impl).items():
             self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
 
     def on_validation_epoch_end(self) -> None:

@@ -1,0 +1,93 @@
+"""Validation and evaluation metrics of a causal LM over the response tokens, summed per batch.
+
+`response_metrics` scores a batch from its full [batch, seq, vocab] logits. For Gemma's 256k vocabulary those logits,
+their fp32 copy and the log-softmax take ~10 bytes per token and vocabulary entry: 10 GiB for one 8 x 512 batch,
+more than a memory-bounded training step holds at its peak. So wherever the training loss works from the hidden
+states (`hardware.loss_impl` chunked / liger), the metrics do too (`chunked_response_metrics`): the head's matmul
+one chunk of tokens at a time, the same chunk as the chunked loss, so the memory estimate of the training step
+bounds validation as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exp.core.config import LossImpl
+from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
+from exp.model.loss import head_inputs
+
+
+def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed loss, token hits and exact matches over loss-bearing (response) tokens of a batch.
+
+    Sums, not means, so that metrics over a whole split weight every token (and every example) equally.
+    Exact match is teacher-forced: every response token (and `<eos>`) is the arg-max, which is exactly when
+    greedy decoding reproduces the reference answer.
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    mask = shift_labels != IGNORE_INDEX
+    loss_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    hits = (shift_logits.argmax(-1) == shift_labels) & mask
+    return _sums(loss_sum, hits, mask)
+
+
+def chunked_response_metrics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    batch_size: int,
+    softcap: float | None = None,
+    chunk_tokens: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """`response_metrics` from the head's input: `hidden` [N, H] rows, `weight` [V, H], `targets` [N] (the next
+    token, IGNORE_INDEX where no loss is taken), N = batch_size x seq. Only one chunk's logits exist at once; they
+    are computed in the dtype autocast or the inputs give (as the head would), softcap and log-softmax in fp32."""
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
+    mask = targets != IGNORE_INDEX
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    hits = torch.zeros_like(mask)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        z = F.linear(hidden[start:end], weight).float()
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        t, ok = targets[start:end], mask[start:end]
+        safe_t = torch.where(ok, t, 0)
+        token_loss = torch.logsumexp(z, dim=-1) - z.gather(1, safe_t[:, None]).squeeze(1)
+        loss_sum += torch.where(ok, token_loss, 0.0).sum()
+        hits[start:end] = (z.argmax(-1) == t) & ok
+        del z
+    return _sums(loss_sum, hits.reshape(batch_size, -1), mask.reshape(batch_size, -1))
+
+
+def batch_response_metrics(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> dict[str, torch.Tensor]:
+    """The metrics of `batch`, computed the way the training loss `impl` computes its logits: all at once for
+    transformers' loss (`hf`: a wrapped or trained head, FSDP's sharded root), in chunks for chunked / liger."""
+    if impl == LossImpl.hf:
+        # No labels (transformers would compute a second loss over fp32 logits) and no KV cache (nothing is
+        # generated; with a compiled layer the cache's bookkeeping also makes Dynamo recompile).
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return response_metrics(model(**inputs, use_cache=False).logits, batch["labels"])
+    h = head_inputs(model, batch)
+    return chunked_response_metrics(h.hidden, h.weight, h.targets, batch["labels"].shape[0], h.softcap)
+
+
+def _sums(loss_sum: torch.Tensor, hits: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The summed metrics from per-token hits and loss-bearing mask [batch, positions]."""
+    exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)
+    return {
+        "loss_sum": loss_sum.detach(),
+        "tokens": mask.sum(),
+        "hits": hits.sum(),
+        "exact": exact.sum(),
+        "examples": mask.any(dim=1).sum(),
+    }
