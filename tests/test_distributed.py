@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -46,36 +47,125 @@ def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+DDP_RESUME = [
+    "hardware=ddp",
+    "hardware.accelerator=cpu",
+    "hardware.devices=2",
+    "hardware.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+    "trainer.max_steps=20",
+    "trainer.warmup_steps=0",
+    "trainer.val_every_n_steps=10",
+    "trainer.checkpoint_every_n_steps=5",
+    "trainer.sample_count=0",
+    "data.num_examples=400",
+    "logger=csv",
+]
+
+
+@pytest.fixture(scope="module")
+def ddp_whole(tmp_path_factory):
+    """The uninterrupted 2-process run the interrupted ones must reproduce."""
+    from test_resume import cli
+
+    cwd = tmp_path_factory.mktemp("ddp_whole")
+    whole = cli(cwd, *DDP_RESUME, "hydra.run.dir=whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return cwd / "whole"
+
+
 @pytest.mark.slow
-def test_ddp_preempted_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path):
+def test_ddp_preempted_by_sigterm_resumes_to_the_uninterrupted_result(tmp_path, ddp_whole):
     """The launcher passes SIGTERM on to its workers; all ranks checkpoint at one step and exit for a requeue."""
     from test_resume import adapter, cli, interrupted
 
-    ddp = [
-        "hardware=ddp",
-        "hardware.accelerator=cpu",
-        "hardware.devices=2",
-        "hardware.micro_batch_size=4",
-        "trainer.global_batch_size=8",
-        "trainer.max_steps=20",
-        "trainer.warmup_steps=0",
-        "trainer.val_every_n_steps=10",
-        "trainer.checkpoint_every_n_steps=5",
-        "trainer.sample_count=0",
-        "data.num_examples=400",
-        "logger=csv",
-    ]
-    whole = cli(tmp_path, *ddp, "hydra.run.dir=whole")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    stopped = interrupted(tmp_path, "first", signal.SIGTERM, "step-000010.ckpt", *ddp)
+    stopped = interrupted(tmp_path, "first", signal.SIGTERM, "step-000010.ckpt", *DDP_RESUME)
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
     assert json.loads((tmp_path / "first" / "status.json").read_text())["status"] == "preempted"
-    resumed = cli(tmp_path, *ddp, "trainer.resume=auto", "hydra.run.dir=second")
+    resumed = cli(tmp_path, *DDP_RESUME, "trainer.resume=auto", "hydra.run.dir=second")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["resumed_from"]["step"] >= 10
-    a, b = adapter(tmp_path / "whole"), adapter(tmp_path / "second")
+    a, b = adapter(ddp_whole), adapter(tmp_path / "second")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same adapters as the uninterrupted 2-process run
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_ddp_workers_end_with_a_killed_launcher_and_resume_to_the_uninterrupted_result(tmp_path, ddp_whole):
+    """SIGKILL to the launcher alone (no process group): its workers end with it, as a killed single run does, and
+    `trainer.resume=auto` goes on from their last checkpoint to the uninterrupted run's adapters."""
+    import psutil
+    from test_resume import _env, adapter, cli
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exp.train", *DDP_RESUME, "hydra.run.dir=killed"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    marker = tmp_path / "killed" / "checkpoints" / "step-000010.ckpt"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    workers = [c.pid for c in psutil.Process(proc.pid).children() if "exp.training.worker" in " ".join(c.cmdline())]
+    assert len(workers) == 2
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.time() + 10
+    while not all(_gone(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in workers), "a worker outlived its killed launcher"
+    steps = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*.ckpt"))
+    assert "step-000020.ckpt" not in steps  # ended mid-run, not after finishing it
+    resumed = cli(tmp_path, *DDP_RESUME, "trainer.resume=auto", "hydra.run.dir=resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from"]["step"] >= 10
+    a, b = adapter(ddp_whole), adapter(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+CHILD = "from exp.training.launch import die_with_launcher; die_with_launcher(); import time; time.sleep(60)"
+PARENT = f"""
+import os, subprocess, sys, time
+from exp.training.launch import child_env
+child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], env=child_env(os.environ.copy()))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_child_ends_with_its_killed_launcher():
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child is past die_with_launcher
+    assert not _gone(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while not _gone(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _gone(child)
+    # A child whose launcher is already gone when it starts (the pid it was given is not its parent's) ends at once.
+    late = subprocess.run(
+        [sys.executable, "-c", CHILD], env=dict(os.environ, EXP_LAUNCHER_PID=str(psutil.Process().pid + 10**6))
+    )
+    assert late.returncode == -signal.SIGKILL
+    # Started by anything else (no launcher named), nothing is set: a plain run is not tied to its shell.
+    env = {k: v for k, v in os.environ.items() if k != "EXP_LAUNCHER_PID"}
+    plain = subprocess.run([sys.executable, "-c", CHILD.replace("60", "0")], env=env)
+    assert plain.returncode == 0
 
 
 TORCHRUN_ARGS = [

@@ -46,6 +46,35 @@ def needs_launch(cfg: TrainConfig) -> bool:
     return hw.strategy in (Strategy.ddp, Strategy.fsdp) and hw.devices * hw.num_nodes > 1 and not externally_launched()
 
 
+# Set by a process that starts workers or sweep jobs (`child_env`): its pid, which the child checks at start.
+LAUNCHER_PID_ENV = "EXP_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a worker or sweep job this process starts: it names this process as the child's launcher."""
+    return dict(env, **{LAUNCHER_PID_ENV: str(os.getpid())})
+
+
+def die_with_launcher() -> None:
+    """End this worker or job when the process that started it dies, however it dies.
+
+    A launcher killed outright (SIGKILL, the OOM killer, a closed terminal's process group torn down in part) would
+    otherwise leave its workers training on: holding the GPUs, writing checkpoints into a run directory that a
+    `trainer.resume=auto` re-launch is about to resume from, or, for DDP, waiting forever in a collective for a rank
+    that is gone. Linux delivers SIGKILL to this process when its parent ends (PR_SET_PDEATHSIG), the same end as a
+    killed single-process run, from which `trainer.resume=auto` goes on. Elsewhere (no prctl) nothing is set.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):  # the launcher ended before the line above: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +89,7 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
             "(--nnodes, --nproc-per-node) or srun; exp launches processes itself only within one machine."
         )
     n = cfg.hardware.devices
-    base = os.environ.copy()
+    base = child_env(os.environ.copy())
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n), NODE_RANK="0")
     if cfg.hardware.accelerator == Accelerator.cpu:
         # CPU ranks share the machine's cores: more threads than cores in all makes every collective wait for
@@ -107,7 +136,7 @@ def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
     this process is passed on to the job, which stops as a single run does (checkpoint, status, REQUEUE_EXIT).
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "exp.training.worker", "job", str(run_dir)], env=env or os.environ.copy()
+        [sys.executable, "-m", "exp.training.worker", "job", str(run_dir)], env=child_env(env or os.environ.copy())
     )
 
     def pass_on(signum: int, _frame) -> None:

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 from exp.run.compose import load_run_config
-from exp.training.launch import end_rank
+from exp.training.launch import die_with_launcher, end_rank
 from exp.training.pipeline import execute, exit_on_known_error, record_stop, train
 from exp.training.signals import GUARD
 
 
 def main(argv: list[str]) -> None:
     role, run_dir = argv[0], Path(argv[1])
+    die_with_launcher()  # never train on after the launcher is gone (a re-launch may be resuming this run)
     GUARD.install()  # SIGTERM / SIGUSR1 / SIGINT stop this process as they stop a single run
     cfg = load_run_config(run_dir)
     try:

@@ -313,6 +313,7 @@ class GpuPoolLauncher(Launcher):
         ended: queue.Queue,
     ) -> None:
         from exp.run.dirs import release_run
+        from exp.training.launch import child_env
         from exp.training.sweep_job import start_sweep_job, sweep_job_result
 
         ret = JobReturn(overrides=overrides, cfg=self.config, hydra_cfg=None)
@@ -330,7 +331,7 @@ class GpuPoolLauncher(Launcher):
                 memory_budget_gib=budget_gib,
             )
             log.info("job #%d on GPU %s: %s", num, device, " ".join(overrides))
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=device)
+            env = child_env(dict(os.environ, CUDA_VISIBLE_DEVICES=device))
             if self.compile_threads is not None:
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = str(self.compile_threads)
             try:
