@@ -39,6 +39,12 @@ def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):
     prints = summary["replica_adapter_checksums"]
     assert len(prints) == 2 and prints[0] == prints[1]  # both ranks hold the same adapters after training
     assert prints[0][1] > 0  # ... and they are not the untrained zeros of lora_B alone
+    # Throughput is the run's: both ranks' tokens/s summed, the slowest rank's step time; each rank's own beside it.
+    ranks = summary["per_rank"]
+    assert len(ranks) == 2 and all(r["tokens_per_s_median"] > 0 for r in ranks)
+    assert summary["tokens_per_s_median"] == pytest.approx(sum(r["tokens_per_s_median"] for r in ranks), abs=1e-3)
+    assert summary["step_seconds_median"] == max(r["step_seconds_median"] for r in ranks)
+    assert summary["peak_memory_gib"] is None  # CUDA's figure; none on the CPU
     config = (out / "config.yaml").read_text()
     assert "strategy: ddp" in config and "precision: 32-true" in config and "devices: 2" in config
     assert (out / "adapter" / "adapter_model.safetensors").exists()

@@ -320,15 +320,38 @@ class QLoRAModule(L.LightningModule):
         trainable = sorted({str(p.device) for p in self.model.parameters() if p.requires_grad})
         return {"root_device": str(self.trainer.strategy.root_device), "frozen": frozen, "trainable": trainable}
 
-    def gather_placements(self) -> list[dict[str, Any]]:
-        """Every rank's `placement()` (rank order), for the run summary."""
+    def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (every rank must call this)."""
         if self.trainer.world_size == 1:
-            return [self.placement()]
+            return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.trainer.world_size
-        dist.all_gather_object(out, self.placement())
+        dist.all_gather_object(out, obj)
         return out
+
+    def gather_placements(self) -> list[dict[str, Any]]:
+        """Every rank's `placement()` (rank order), for the run summary."""
+        return self._gather(self.placement())
+
+    def gather_throughput(self) -> dict[str, Any]:
+        """The run's `throughput_summary()` over every rank: tokens/s summed (the ranks train their own
+        micro-batches at the same time), the slowest rank's step time and the fullest device's peak, with each
+        rank's own figures under `per_rank`. One process: its own summary."""
+        ranks = self._gather(self.throughput_summary())
+        if len(ranks) == 1:
+            return ranks[0]
+
+        def combine(key: str, how: Callable[[list[float]], float]) -> float | None:
+            values = [r[key] for r in ranks]
+            return None if None in values else round(how(values), 4)
+
+        return {
+            "tokens_per_s_median": combine("tokens_per_s_median", sum),
+            "step_seconds_median": combine("step_seconds_median", max),
+            "peak_memory_gib": combine("peak_memory_gib", max),
+            "per_rank": ranks,
+        }
 
     def check_replicas_agree(self) -> list[list[float]] | None:
         """Data-parallel replicas must hold identical adapters: gather a fingerprint of each and compare.

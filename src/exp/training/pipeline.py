@@ -130,6 +130,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         )
         replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
         placements = module.gather_placements()
+        throughput = module.gather_throughput()
         GUARD.stop_now()  # the last moment to stop: from here the run finishes (seconds) whatever arrives
         # The results are written whole: a signal from here on is noted, and the run completes first.
         with GUARD.shielded():
@@ -141,7 +142,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
                     "initial_val": result.initial_val,
                     "final_val": result.final_val,
                     "chance_token_accuracy": result.chance_token_accuracy,
-                    **module.throughput_summary(),
+                    **throughput,
                     "device": str(module.device),
                     "world_size": trainer.world_size,
                     "replica_adapter_checksums": replicas_agree,
@@ -210,14 +211,16 @@ def print_summary(s: dict, output_dir: Path) -> None:
 
     first, last = s["initial_val"], s["final_val"]
     drop = 100 * (1 - last["val/loss"] / first["val/loss"]) if first else float("nan")
+    n = len(s.get("per_rank") or ())
+    ranks, per_device = (f", {n} processes together", " on the fullest device") if n else ("", "")
     text = (
         f"exp: {s['steps']} steps in {s['seconds']:.0f} s -> {output_dir}\n"
         f"  val loss        {first.get('val/loss', float('nan')):.3f} -> {last['val/loss']:.3f} ({drop:.0f}% lower)\n"
         f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
         f"{s['chance_token_accuracy']:.3f})\n"
         f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
-        f"  throughput      {s['tokens_per_s_median']} tokens/s (median step)"
-        + (f", peak memory {s['peak_memory_gib']} GiB" if s.get("peak_memory_gib") else "")
+        f"  throughput      {s['tokens_per_s_median']} tokens/s (median step{ranks})"
+        + (f", peak memory {s['peak_memory_gib']} GiB{per_device}" if s.get("peak_memory_gib") else "")
         + f"\n  adapter         {output_dir / 'adapter'}"
     )
     print(f"\n{text}", flush=True)
