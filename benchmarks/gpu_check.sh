@@ -22,6 +22,12 @@
 #   profile7b    exp.bench headline with profile=true: exp as hardware=gpu runs it, and without kept dequantized
 #                weights; the baseline from $BENCH_REFERENCE (a bench7b JSON of the same settings) when given
 #   bench512     exp.bench, Gemma-7B 512 x 32: baseline and exp
+#   multi        2 GPUs: python -m pytest -m gpu on tests/test_gpu_multi.py and tests/test_distributed.py (DDP, FSDP,
+#                model parallelism, a killed launcher then resume=auto under DDP and FSDP, torchrun against exp's own
+#                launcher, the packed sweep over both GPUs, the preflight's diagnoses); their records in multi/
+#   multi7b      2 GPUs: benchmarks/multi_gpu.py, the Gemma-7B shape under one GPU, DDP, FSDP and model parallelism
+#                (scaling, FSDP's peak against DDP's, where the weights live); on $EXP_ALPACA when given. Resumable:
+#                called again on the same (warm) machine it keeps the runs that completed (outputs/multi_gpu)
 #   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
 #                1e-4/2e-4 x seeds=4, 100 steps each), its --plan, then packed by memory on GPU 0, then the same
 #                sweep one job at a time in what is left of the stage's time; called again on the same (warm)
@@ -152,6 +158,14 @@ run_stage() {
         variant="exp hardware.auto_dequantized_layers=false" variant=exp ;;
     bench512)
       stage bench512 420 "${BENCH[@]}" seq=512 micro_batch=32 steps=12 variant=baseline variant=exp ;;
+    multi)
+      mkdir -p "$WORK/multi"
+      stage multi 580 bash -c "set -o pipefail; EXP_RESULTS_DIR=$WORK/multi python3 -m pytest -m gpu -q -p no:cacheprovider \
+        -rA tests/test_gpu_multi.py tests/test_distributed.py 2>&1 | tee $WORK/pytest_gpu_multi.txt" ;;
+    multi7b)
+      mkdir -p "$WORK/multi"
+      stage multi7b 580 python3 benchmarks/multi_gpu.py --out "$ROOT/outputs/multi_gpu" ${ALPACA:+--data "$ALPACA"}
+      cp "$ROOT"/outputs/multi_gpu/*.json "$ROOT"/outputs/multi_gpu/*.md "$ROOT"/outputs/multi_gpu/*.log "$WORK/multi/" 2>/dev/null ;;
     study)
       # The study's directory survives between calls on a machine that stays warm: an invocation continues the
       # one-at-a-time arm where the last one stopped (benchmarks/study_check.sh). Its deadline leaves the stage

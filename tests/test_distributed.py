@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,11 +54,8 @@ def test_ddp_on_two_cpu_processes_trains_identical_replicas(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-DDP_RESUME = [
-    "hardware=ddp",
-    "hardware.accelerator=cpu",
-    "hardware.devices=2",
-    "hardware.micro_batch_size=4",
+# 20 steps of 2 micro-batches of 4, a checkpoint every 5: long enough to interrupt after step 10.
+RESUME_STEPS = [
     "trainer.global_batch_size=8",
     "trainer.max_steps=20",
     "trainer.warmup_steps=0",
@@ -67,6 +65,8 @@ DDP_RESUME = [
     "data.num_examples=400",
     "logger=csv",
 ]
+DDP_RESUME = ["hardware=ddp", "hardware.accelerator=cpu", "hardware.devices=2", "hardware.micro_batch_size=4",
+              *RESUME_STEPS]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -105,20 +105,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
-def test_ddp_workers_end_with_a_killed_launcher_and_resume_to_the_uninterrupted_result(tmp_path, ddp_whole):
-    """SIGKILL to the launcher alone (no process group): its workers end with it, as a killed single run does, and
-    `trainer.resume=auto` goes on from their last checkpoint to the uninterrupted run's adapters."""
+def killed_launcher_then_resumed(cwd: Path, overrides: list[str], after: str = "step-000010.ckpt") -> Path:
+    """Start a multi-process run in `cwd/killed`; once checkpoint `after` exists, SIGKILL its launcher alone (no
+    process group) and check that every worker ends with it, before the run's last step; then continue it with
+    `trainer.resume=auto` into `cwd/resumed`, which is returned."""
     import psutil
-    from test_resume import _env, adapter, cli
+    from test_resume import _env, cli
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "exp.train", *DDP_RESUME, "hydra.run.dir=killed"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "exp.train", *overrides, "hydra.run.dir=killed"],
+        cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    marker = tmp_path / "killed" / "checkpoints" / "step-000010.ckpt"
-    deadline = time.time() + 300
+    marker = cwd / "killed" / "checkpoints" / after
+    deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -130,14 +129,50 @@ def test_ddp_workers_end_with_a_killed_launcher_and_resume_to_the_uninterrupted_
     while not all(_gone(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in workers), "a worker outlived its killed launcher"
-    steps = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step-*.ckpt"))
-    assert "step-000020.ckpt" not in steps  # ended mid-run, not after finishing it
-    resumed = cli(tmp_path, *DDP_RESUME, "trainer.resume=auto", "hydra.run.dir=resumed")
+    status = json.loads((cwd / "killed" / "status.json").read_text())
+    assert status["status"] == "running"  # nobody wrote an end: the run was killed
+    assert not (cwd / "killed" / "adapter").exists()  # ended mid-run, not after finishing it
+    resumed = cli(cwd, *overrides, "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["resumed_from"]["step"] >= 10
-    a, b = adapter(ddp_whole), adapter(tmp_path / "resumed")
+    summary = json.loads((cwd / "resumed" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from"]["run"].endswith("killed")
+    return cwd / "resumed"
+
+
+@pytest.mark.slow
+def test_ddp_workers_end_with_a_killed_launcher_and_resume_to_the_uninterrupted_result(tmp_path, ddp_whole):
+    """SIGKILL to the launcher alone: its workers end with it, as a killed single run does, and
+    `trainer.resume=auto` goes on from their last checkpoint to the uninterrupted run's adapters."""
+    from test_resume import adapter
+
+    resumed = killed_launcher_then_resumed(tmp_path, DDP_RESUME)
+    assert json.loads((resumed / "summary.json").read_text())["resumed_from"]["step"] >= 10
+    a, b = adapter(ddp_whole), adapter(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_workers_start_stops_the_run_as_preempted(tmp_path):
+    """SIGTERM to the launcher as soon as its workers exist (they are still importing, their handlers not yet
+    installed): the run is stopped for a requeue (status preempted, exit 75), not failed."""
+    import psutil
+    from test_resume import _env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exp.train", *DDP_RESUME, "hydra.run.dir=run"],
+        cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        if len(psutil.Process(proc.pid).children()) == 2:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT, err[-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "preempted" and "nothing to resume" in status["error"]
 
 
 CHILD = "from exp.training.launch import die_with_launcher; die_with_launcher(); import time; time.sleep(60)"
@@ -230,3 +265,41 @@ def test_shared_launch_id_from_the_launchers_environment():
     assert shared_launch_id({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}) == ""
     slurm = {"SLURM_NTASKS": "4", "SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "2"}
     assert shared_launch_id(slurm) == "slurm-123.0-restart2"
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+# The same per-process settings on either kind of device; on GPUs what the preflight would choose by memory is
+# pinned, so both launches train the same steps.
+SAME_LAUNCH = {
+    "cpu": ["hardware.accelerator=cpu"],
+    "cuda": ["hardware.auto_micro_batch=false", "hardware.micro_batch_size=4", "hardware.auto_checkpoint_layers=false",
+             "hardware.auto_dequantized_layers=false", "hardware.compile=false"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_torchrun_and_exps_own_launcher_train_the_same_adapters(tmp_path, device):
+    """`torchrun --standalone --nproc_per_node=2 -m exp.train ...` and `python -m exp.train hardware=ddp ...` (exp
+    starts the two processes) are the same run: the same adapters, bitwise."""
+    from test_resume import adapter
+
+    args = ["hardware=ddp", "hardware.devices=2", *SAME_LAUNCH[device], "trainer.global_batch_size=16",
+            "trainer.max_steps=6", "trainer.warmup_steps=0", "trainer.val_every_n_steps=3",
+            "trainer.checkpoint_every_n_steps=3", "trainer.sample_count=0", "logger=csv"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's default per process; exp's launcher keeps it
+    own = subprocess.run(
+        [sys.executable, "-m", "exp.train", *args, "hydra.run.dir=own"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert own.returncode == 0, own.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "exp.train"]
+    launched = subprocess.run(
+        [*cmd, *args, "hydra.run.dir=torchrun"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("own", "torchrun")]
+    assert [(s["world_size"], s["steps"]) for s in summaries] == [(2, 6), (2, 6)]
+    assert summaries[0]["placement_per_rank"] == summaries[1]["placement_per_rank"]
+    a, b = adapter(tmp_path / "own"), adapter(tmp_path / "torchrun")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -120,3 +120,53 @@ def test_stale_cuda_visible_devices_in_process_gets_the_diagnosis(tmp_path):
         Path(keep, "hardware_stale_cvd.txt").write_text(
             proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-3000:]
         )
+
+
+def tiny_two() -> list[str]:
+    """The tiny Gemma on both GPUs, what the preflight would choose by memory pinned (the runs compared train the
+    same steps), 20 steps with a checkpoint every 5."""
+    from test_distributed import RESUME_STEPS, SAME_LAUNCH
+
+    return ["hardware.devices=2", *SAME_LAUNCH["cuda"], *RESUME_STEPS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_killed_launcher_then_resume_auto_reaches_the_uninterrupted_adapters(tmp_path, strategy):
+    """SIGKILL to the launcher of a 2-GPU run after step 10; its workers end with it; `trainer.resume=auto` continues
+    to the adapters of the uninterrupted run: bitwise, or within 1e-6 relative (the figure is recorded)."""
+    from test_distributed import killed_launcher_then_resumed
+    from test_resume import adapter, cli
+
+    args = [f"hardware={strategy}", *tiny_two()]
+    whole = cli(tmp_path, *args, "hydra.run.dir=whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = killed_launcher_then_resumed(tmp_path, args)
+    a, b = adapter(tmp_path / "whole"), adapter(resumed)
+    assert a.keys() == b.keys()
+    bitwise = all(torch.equal(a[k], b[k]) for k in a)
+    worst = max(((a[k].float() - b[k].float()).norm() / a[k].float().norm().clamp_min(1e-30)).item() for k in a)
+    keep = os.environ.get("EXP_RESULTS_DIR")
+    if keep:
+        record = {"strategy": strategy, "overrides": args, "bitwise": bitwise, "max_relative_difference": worst}
+        Path(keep, f"resume_killed_{strategy}.json").write_text(json.dumps(record, indent=2) + "\n")
+    assert bitwise or worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_packed_sweep_spreads_jobs_over_both_gpus(tmp_path):
+    """The `gpus` launcher packing by memory: four small jobs fit on either GPU, and it starts them on both."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", "-m", "hydra/launcher=gpus", "hydra.launcher.pack=true",
+         "hydra.launcher.devices=[0,1]", "hardware=gpu", "hardware.compile=false", "trainer.max_steps=4",
+         "trainer.val_every_n_steps=4", "trainer.sample_count=0", "logger=csv", "lora.r=4,8", "seeds=2",
+         f"hydra.sweep.dir={sweep}"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (sweep / "placements.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "start"]
+    ends = [e for e in events if e["event"] == "end"]
+    assert len(starts) == 4 and {str(e["gpu"]) for e in starts} == {"0", "1"}
+    assert [e["status"] for e in ends] == ["completed"] * 4

@@ -101,10 +101,12 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank))
         procs.append(subprocess.Popen([sys.executable, "-m", "exp.training.worker", "worker", str(run_dir)], env=env))
     status = 0
+    passed_on: set[int] = set()
 
     # A scheduler's SIGTERM / SIGUSR1 (preemption) or a Ctrl-C goes to this process: pass it on, so that every
     # worker checkpoints at the same step and exits for a requeue (a worker acts on the first signal it gets).
     def pass_on(signum: int, _frame) -> None:
+        passed_on.add(signum)
         for p in procs:
             p.send_signal(signum)
 
@@ -116,6 +118,10 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
                 if rc is None:
                     continue
                 procs.remove(p)
+                # A worker the passed-on signal reached while it was still starting (before its handlers were
+                # installed) ends by that signal: stopped like the others, not failed.
+                if rc < 0 and -rc in passed_on:
+                    rc = REQUEUE_EXIT
                 if rc != 0 and status == 0:
                     status = rc
                     if rc != REQUEUE_EXIT:  # one rank failed: the others would wait forever in a collective
