@@ -41,6 +41,19 @@ def test_more_devices_than_visible_is_caught_before_cuda():
     assert "INTERNAL ASSERT" in msg and "cuda:0" in msg  # explains the renumbering
 
 
+def test_fsdp_on_one_gpu_runs_as_one_process_on_it():
+    # hardware=fsdp asks for every visible GPU: on a machine with one, nothing is sharded.
+    for memory_check in (False, True):
+        cfg = compose_typed(["hardware=fsdp", "model=gemma_2b"])
+        result = check(cfg, Environment(gpus=[H200], **GPU_ENV), memory_check=memory_check)
+        hw = result.cfg.hardware
+        assert result.ok and (hw.strategy.value, hw.devices) == ("single_device", 1)
+        assert any("hardware.strategy=fsdp with 1 GPU" in n for n in result.notes)
+    two = check(compose_typed(["hardware=fsdp", "model=gemma_2b", "trainer.global_batch_size=16"]),
+                Environment(gpus=[H200, H200], **GPU_ENV))  # fmt: skip
+    assert two.ok and (two.cfg.hardware.strategy.value, two.cfg.hardware.devices) == ("fsdp", 2)
+
+
 def test_cuda_visible_devices_changed_after_cuda_init():
     env = Environment(
         gpus=[H200],

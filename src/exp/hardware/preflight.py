@@ -457,6 +457,14 @@ def _resolve_strategy_and_precision(
         hw.precision = "16-mixed"
     elif hw.precision == "auto":
         hw.precision = "bf16-mixed"
+    if hw.strategy == Strategy.fsdp and hw.devices * hw.num_nodes == 1:
+        # One process shards nothing, and FSDP's one-process mode (NO_SHARD) fails on the 4-bit weights: torch
+        # asserts "as_params=True type(prim_param)=<class 'torch.Tensor'>" after the first forward (seen on an H200).
+        hw.strategy = Strategy.single_device
+        notes.append(
+            "hardware.strategy=fsdp with 1 GPU: nothing to shard, so one process on that GPU (as hardware=gpu); "
+            "FSDP needs hardware.devices >= 2"
+        )
     if not memory_check:
         if hw.strategy == Strategy.auto:
             hw.strategy = Strategy.ddp if hw.devices > 1 else Strategy.single_device
