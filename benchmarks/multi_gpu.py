@@ -141,6 +141,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def same_replicas(checksums: list | None) -> bool:
+    """Both DDP ranks' adapter fingerprints (the summary's replica_adapter_checksums) are present and equal."""
+    return checksums is not None and len(checksums) == 2 and checksums[0] == checksums[1]
+
+
 def checks(records: dict[str, dict], cpu: bool) -> dict:
     s = {name: r["summary"] for name, r in records.items() if r["returncode"] == 0}
     tps = {name: x.get("tokens_per_s_median") for name, x in s.items()}
@@ -149,9 +154,7 @@ def checks(records: dict[str, dict], cpu: bool) -> dict:
     ddp_peak = max((p for p in peaks(s.get("ddp_pinned", {})) if p), default=None)
     sharding = ratio(fsdp_peak, ddp_peak)
     replicas = {
-        name: (lambda c: c is not None and len(c) == 2 and c[0] == c[1])(x.get("replica_adapter_checksums"))
-        for name, x in s.items()
-        if name.startswith("ddp")
+        name: same_replicas(x.get("replica_adapter_checksums")) for name, x in s.items() if name.startswith("ddp")
     }
     return {
         "scaling_ddp_over_one_gpu": scaling,
