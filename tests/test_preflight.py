@@ -388,7 +388,7 @@ def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
 
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
-            "trainer.global_batch_size=8", "hardware.compile=true"]  # fmt: skip
+            "trainer.global_batch_size=8", "hardware.compile=true", "hardware.padding_free=false"]  # fmt: skip
 
     def resolved(*extra: str):
         result = check(compose_typed([*base, *extra]), env)
@@ -416,6 +416,44 @@ def test_auto_micro_batch_prefers_a_smaller_micro_batch_to_recomputing():
     assert kept.micro_batch_size == 8 and kept.gradient_checkpointing
     cpu = check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment(torch_cuda=None))
     assert cpu.ok and cpu.cfg.hardware.micro_batch_size == 4
+
+
+def test_padding_free_token_budget_is_the_most_the_memory_holds():
+    """hardware=gpu (padding-free): the token budget is m x max_seq_len for the largest m, divisor of the global
+    batch or not, whose estimate fits without recomputing; micro_batch_size is the largest divisor up to m."""
+    from exp.hardware.memory import estimate_for_config
+
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    base = ["model=gemma_7b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=2048",
+            "trainer.global_batch_size=8", "hardware.compile=true"]  # fmt: skip
+    whole = check(compose_typed(base), env)
+    assert whole.ok and whole.cfg.hardware.micro_batch_tokens == 8 * 2048
+    capped = check(compose_typed([*base, "hardware.memory_budget_gib=60"]), env)
+    hw = capped.cfg.hardware
+    m = hw.micro_batch_tokens // 2048
+    assert not hw.gradient_checkpointing and 1 <= m < 8 and hw.micro_batch_size == max(d for d in (1, 2, 4) if d <= m)
+    trial = copy.deepcopy(capped.cfg)
+    trial.hardware.micro_batch_size = m
+    assert estimate_for_config(trial).total <= 60 * 2**30
+    trial.hardware.micro_batch_size = m + 1
+    assert estimate_for_config(trial).total > 60 * 2**30  # one more example's worth would not fit
+    assert any(f"padding-free micro-batches of at most {m * 2048} tokens ({m} x 2048)" in n for n in capped.notes)
+    # An explicit budget is kept.
+    kept = check(compose_typed([*base, "hardware.micro_batch_tokens=4096"]), env).cfg.hardware
+    assert kept.micro_batch_tokens == 4096
+
+
+def test_padding_free_gemma2_takes_flex_attention_on_a_gpu_only():
+    env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
+    gpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu"]), env)
+    assert gpu.ok and gpu.cfg.model.attn_implementation == "flex_attention"
+    assert any("model.attn_implementation=flex_attention instead of eager" in n for n in gpu.notes)
+    padded = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
+                                  "hardware.padding_free=false"]), env)  # fmt: skip
+    assert padded.cfg.model.attn_implementation == "eager"
+    cpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
+                               "hardware.accelerator=cpu"]), Environment())  # fmt: skip
+    assert cpu.cfg.model.attn_implementation == "eager"  # FlexAttention has no CPU backward
 
 
 def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():

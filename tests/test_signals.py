@@ -76,7 +76,7 @@ BEFORE_TRAINING = [
     (
         "data",
         exp.training.pipeline,
-        "build_datamodule",
+        "build_run_datamodule",
         signal.SIGINT,
         "data preparation",
     ),  # Ctrl-C: preempted, not failed

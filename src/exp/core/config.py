@@ -229,6 +229,15 @@ class HardwareConfig:
     # final norm's and the loss's) to pinned host memory in the forward, and back one by one in the backward. For
     # micro-batches whose checkpointed inputs alone would fill the GPU; the copies cost time (host link bandwidth).
     offload_checkpoints: bool = False
+    # Training micro-batches without padding: each optimiser step's examples (the same examples, in the same
+    # seeded order, as padded batching) laid end to end in rows with restarting position ids and no attention
+    # across examples, cut into as few micro-batches of at most `micro_batch_tokens` tokens as every step of the run
+    # allows (exp.data.padding_free). The step's loss and gradient are those of its padded batches. With
+    # data.packing=true packing decides instead (its rows are the step's unit).
+    padding_free: bool = False
+    # With padding_free: the most tokens in one micro-batch (null: micro_batch_size x data.max_seq_len, which the
+    # preflight's auto_micro_batch chooses on a GPU from the memory estimate). At least data.max_seq_len.
+    micro_batch_tokens: int | None = None
     num_workers: int = 0
     # The training loss over Gemma's 256k vocabulary (see LossImpl): the stock path holds several fp32 copies of
     # [tokens, vocab] logits, the fused / chunked ones a few hundred tokens' worth. Which one ran is logged.
@@ -408,6 +417,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"model.attn_implementation={m.attn_implementation}: allowed values are {', '.join(ATTN_IMPLEMENTATIONS)} "
             "(what transformers and exp's memory estimate support), e.g. model.attn_implementation=sdpa"
         )
+    elif m.attn_implementation == "flex_attention" and cfg.hardware.accelerator == Accelerator.cpu:
+        p.append(
+            "model.attn_implementation=flex_attention on the CPU: FlexAttention has no backward pass on the CPU; use "
+            "e.g. model.attn_implementation=sdpa (or eager for Gemma 2)"
+        )
     elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
         p.append(
             f"model.attn_implementation={m.attn_implementation} on the CPU: FlashAttention is a CUDA kernel; use "
@@ -439,6 +453,12 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+    if hw.micro_batch_tokens is not None and hw.micro_batch_tokens < d.max_seq_len:
+        p.append(
+            f"hardware.micro_batch_tokens={hw.micro_batch_tokens} is below data.max_seq_len={d.max_seq_len}: a "
+            f"padding-free micro-batch must hold the longest example; use hardware.micro_batch_tokens="
+            f"{d.max_seq_len} or more (or null: micro-batch x max_seq_len)"
+        )
     if hw.compile not in COMPILE_CHOICES:
         p.append(f"hardware.compile={hw.compile}: allowed values are true, false and auto (on for a CUDA GPU)")
     if hw.memory_budget_gib is not None and not (hw.memory_budget_gib > 0 and math.isfinite(hw.memory_budget_gib)):
@@ -622,7 +642,7 @@ WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 
 # Attention kernels a model may be loaded with (transformers' names; exp.hardware.memory estimates each).
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 # Sizes of a random-weight architecture (model.arch) that transformers would take and then fail on with a bare
 # tensor-shape error, or build into a model that cannot train.
 ARCH_SIZES = (

@@ -22,11 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from exp.core.cache import cache_dir, ensure_entry
-from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat, LengthGrouping
+from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat, LengthGrouping, TrainConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.data.files import READERS, diagnose, list_files
 from exp.data.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
-from exp.data.packing import Packed, pack
+from exp.data.packing import Packed, concatenate, pack
+from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, row_length
 from exp.data.synthetic import generate_examples
 
 log = logging.getLogger(__name__)
@@ -414,14 +415,14 @@ def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
 # ---------------------------------------------------------------------------------------------------- batching
 
 
-def collate(examples: list[Encoded | Packed], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row of the batch; padding is masked out and never a label.
+def collate(examples: list[Encoded | Packed], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row of the batch (or to `width`); padding is masked out and never a label.
 
     Packed rows get `position_ids` (restarting per example) and no `attention_mask`: transformers then builds
     the block-diagonal mask from the position restarts (see `exp.data.packing`). Padding in a packed batch forms its
     own short "sequence" (positions from 0) that no real token attends to.
     """
-    width = max(len(e.input_ids) for e in examples)
+    width = max(width or 0, max(len(e.input_ids) for e in examples))
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -512,6 +513,17 @@ def collate_with_step_tokens(items: list[tuple[Encoded | Packed, int]], pad_id: 
     return batch
 
 
+def collate_flat(items: list[tuple[Encoded, int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """A padding-free micro-batch: its examples end to end in one row (exp.data.padding_free), rounded up to
+    PAD_MULTIPLE tokens, with its step's loss-token total and its real token count (`real_tokens`, read and removed
+    by the module before the model sees the batch)."""
+    row = concatenate([e for e, _ in items], IGNORE_INDEX)
+    batch = collate([row], pad_id, width=row_length(len(row.input_ids)))
+    batch["step_loss_tokens"] = torch.tensor(float(items[0][1]))
+    batch["real_tokens"] = torch.tensor(len(row.input_ids))
+    return batch
+
+
 class TrainStream(Sampler[list[int]]):
     """Every micro-batch one rank trains on, epoch after epoch without end, from any position.
 
@@ -547,11 +559,13 @@ class TrainStream(Sampler[list[int]]):
 
 
 class ShardSampler(Sampler[int]):
-    """Rank r of w takes examples r, r + w, ...: every example evaluated exactly once across ranks, none repeated
-    (Lightning's DistributedSampler pads with repeats, which would count some examples twice in summed metrics)."""
+    """Rank r of w takes examples r, r + w, ... (of `order`, default 0..n-1): every example evaluated exactly once
+    across ranks, none repeated (Lightning's DistributedSampler pads with repeats, which would count some examples
+    twice in summed metrics)."""
 
-    def __init__(self, n: int, rank: int = 0, world_size: int = 1):
-        self.indices = list(range(rank, n, world_size))
+    def __init__(self, n: int, rank: int = 0, world_size: int = 1, order: list[int] | None = None):
+        order = list(range(n)) if order is None else order
+        self.indices = order[rank::world_size]
 
     def __iter__(self):
         return iter(self.indices)
@@ -560,12 +574,13 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
-    """Padding fraction and loss-bearing tokens per batch for `batches` (lists of indices into `rows`)."""
+def padding_stats(rows: list, batches: list[list[int]], flat: bool = False) -> dict[str, float]:
+    """Padding fraction and loss-bearing tokens per batch for `batches` (lists of indices into `rows`), padded to
+    the longest row or (`flat`) laid end to end in one row of `row_length`."""
     slots = real = loss = 0
     for b in batches:
         lens = [len(rows[i].input_ids) for i in b]
-        slots += max(lens) * len(b)
+        slots += row_length(sum(lens)) if flat else max(lens) * len(b)
         real += sum(lens)
         loss += sum(loss_tokens(rows[i]) for i in b)
     return {
@@ -576,10 +591,17 @@ def padding_stats(rows: list, batches: list[list[int]]) -> dict[str, float]:
 
 
 class InstructionDataModule(L.LightningDataModule):
-    """The splits of `build_splits`, batched: training padded, length-grouped or packed; validation padded."""
+    """The splits of `build_splits`, batched: training padded, length-grouped, packed or padding-free (`flat`:
+    exp.data.padding_free); validation padded, in batches of similar length."""
 
     def __init__(
-        self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+        self,
+        cfg: DataConfig,
+        tokenizer: Any,
+        micro_batch_size: int,
+        num_workers: int = 0,
+        step_micro_batches: int = 1,
+        flat: FlatBatching | None = None,
     ):
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -593,6 +615,10 @@ class InstructionDataModule(L.LightningDataModule):
         # Copies: the train entry gains this module's batching statistics, which are not a property of the split.
         self.stats: dict[str, Any] = {"train": dict(train_stats), "val": dict(val_stats), "bad_rows": n_bad}
         self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
+        # Packing has its own meaning of a step (rows, not examples): it wins over padding-free batching.
+        self.flat = flat if self.packed is None else None
+        if self.flat is not None:
+            self.step_micro_batches = self._flat_micro_batches()
         self.stats["train"].update(self.train_batch_stats())
         log.info(
             "data: %d train / %d val examples (%d truncated, %d dropped with no response left, %d bad rows); "
@@ -604,13 +630,38 @@ class InstructionDataModule(L.LightningDataModule):
             n_bad,
             self.stats["train"]["loss_tokens_per_batch"],
             100 * self.stats["train"]["padding_fraction"],
-            f", {len(self.packed)} packed rows" if self.packed is not None else "",
+            f", {len(self.packed)} packed rows"
+            if self.packed is not None
+            else f", padding-free: {self.step_micro_batches} micro-batch(es) of <= {self.flat.token_budget} tokens "
+            "per step"
+            if self.flat is not None
+            else "",
         )
+
+    def _flat_micro_batches(self) -> int:
+        """Micro-batches per optimiser step (all ranks) of padding-free batching: the fewest that keep every step
+        of the run (its first PLAN_EPOCHS epochs at most) within the token budget (exp.data.padding_free)."""
+        plan, lengths = self.flat, self._lengths()
+        per_epoch = len(self.train_set) // plan.global_batch_size
+        if per_epoch == 0:
+            raise ConfigError(
+                f"the training split has {len(self.train_set)} examples, fewer than one optimiser step's "
+                f"{plan.global_batch_size} (trainer.global_batch_size): lower trainer.global_batch_size or use more "
+                "data"
+            )
+        epochs = min(PLAN_EPOCHS, -(-plan.max_steps // per_epoch))
+        steps = [
+            s for e in range(epochs) for s in shuffled_batches(len(lengths), plan.global_batch_size, self.cfg.seed, e)
+        ]
+        return micro_batches_per_step(steps[: plan.max_steps], lengths, plan)
 
     def train_batch_stats(self) -> dict[str, float]:
         """Padding and loss-bearing tokens per batch of one training epoch, as the train loader batches it."""
         rows = self.packed if self.packed is not None else self.train_set
-        stats = padding_stats(rows, self.train_epoch_batches(0))
+        stats = padding_stats(rows, self.train_epoch_batches(0), flat=self.flat is not None)
+        if self.flat is not None:
+            stats["micro_batches_per_step"] = self.step_micro_batches
+            stats["token_budget"] = self.flat.token_budget
         if self.packed is not None:
             tokens = sum(len(e.input_ids) for e in self.train_set)
             stats["packed_rows"] = len(self.packed)
@@ -638,6 +689,10 @@ class InstructionDataModule(L.LightningDataModule):
     def _collate(self):
         return functools.partial(collate, pad_id=self.tokenizer.pad_token_id)
 
+    def _val_order(self) -> list[int]:
+        """The held-out examples longest first (ties in split order)."""
+        return sorted(range(len(self.val_set)), key=lambda i: (-len(self.val_set[i].input_ids), i))
+
     def resume_at(self, batches_seen: int) -> None:
         """Start the training stream after `batches_seen` micro-batches (per rank): set by a resumed checkpoint."""
         self.start_batch = batches_seen
@@ -649,11 +704,23 @@ class InstructionDataModule(L.LightningDataModule):
 
     @property
     def step_weighted(self) -> bool:
-        """Whether micro-batches carry their step's loss-token total (length grouping within steps)."""
+        """Whether micro-batches carry their step's loss-token total (padding-free, length grouping within steps)."""
+        if self.flat is not None:
+            return True
         return self.cfg.group_by_length and self.packed is None and self.cfg.length_grouping == LengthGrouping.step
+
+    @property
+    def flat_accumulation(self) -> int | None:
+        """Padding-free: the micro-batches per optimiser step on one rank (what the Trainer accumulates, decided here
+        from the data); None otherwise (the config's trainer.global_batch_size / micro-batch / ranks)."""
+        return self.step_micro_batches // self.flat.world_size if self.flat is not None else None
 
     def train_epoch_batches(self, epoch: int) -> list[list[int]]:
         """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
+        if self.flat is not None:
+            lengths, k = self._lengths(), self.step_micro_batches
+            steps = shuffled_batches(len(lengths), self.flat.global_batch_size, self.cfg.seed, epoch)
+            return [group for step in steps for group in balanced_split(step, lengths, k)]
         if self.step_weighted:
             return step_sorted_batches(
                 self._lengths(), self.micro_batch_size, self.step_micro_batches, self.cfg.seed, epoch
@@ -681,7 +748,7 @@ class InstructionDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank()
         weighted = self.step_weighted
-        if weighted and self.batches_per_epoch == 0:
+        if weighted and self.flat is None and self.batches_per_epoch == 0:
             raise ConfigError(
                 f"the training split has {len(self.train_set)} examples, fewer than one optimiser step's "
                 f"{self.micro_batch_size * self.step_micro_batches} (trainer.global_batch_size): lower "
@@ -694,7 +761,10 @@ class InstructionDataModule(L.LightningDataModule):
             StepTokens(rows) if weighted else rows,
             batch_sampler=stream,
             collate_fn=(
-                functools.partial(collate_with_step_tokens, pad_id=self.tokenizer.pad_token_id)
+                functools.partial(
+                    collate_flat if self.flat is not None else collate_with_step_tokens,
+                    pad_id=self.tokenizer.pad_token_id,
+                )
                 if weighted
                 else self._collate()
             ),
@@ -705,12 +775,14 @@ class InstructionDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        # Never packed: validation metrics (exact match) are per example, i.e. per row.
+        # Never packed: validation metrics (exact match) are per example, i.e. per row. The metrics are sums over
+        # the split, so the order is free: longest first, so that each batch pads to a similar length (a step-0
+        # validation of real data in split order is mostly padding) and the first batch shows the peak.
         rank, world = self._rank()
         return DataLoader(
             self.val_set,
             batch_size=self.micro_batch_size,
-            sampler=ShardSampler(len(self.val_set), rank, world),
+            sampler=ShardSampler(len(self.val_set), rank, world, order=self._val_order()),
             collate_fn=self._collate(),
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(self.cfg.seed),
@@ -718,11 +790,38 @@ class InstructionDataModule(L.LightningDataModule):
 
 
 def build_datamodule(
-    cfg: DataConfig, tokenizer: Any, micro_batch_size: int, num_workers: int = 0, step_micro_batches: int = 1
+    cfg: DataConfig,
+    tokenizer: Any,
+    micro_batch_size: int,
+    num_workers: int = 0,
+    step_micro_batches: int = 1,
+    flat: FlatBatching | None = None,
 ):
     """The DataModule for `cfg`: reads, checks and tokenises the data (cached), ready for `trainer.fit`.
 
     `step_micro_batches`: micro-batches per optimiser step over all data-parallel ranks (gradient accumulation x
-    ranks), the unit `data.length_grouping=step` sorts within.
+    ranks), the unit `data.length_grouping=step` sorts within. `flat`: padding-free micro-batches instead
+    (exp.data.padding_free; the module then decides the micro-batches per step, `accumulate_grad_batches`).
     """
-    return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers, step_micro_batches)
+    return InstructionDataModule(cfg, tokenizer, micro_batch_size, num_workers, step_micro_batches, flat)
+
+
+def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
+    """The padding-free batching `hardware.padding_free` asks for (None: padded, or `data.packing`, which wins)."""
+    hw = cfg.hardware
+    if not hw.padding_free or cfg.data.packing:
+        return None
+    budget = hw.micro_batch_tokens or hw.micro_batch_size * cfg.data.max_seq_len
+    return FlatBatching(budget, cfg.trainer.global_batch_size, cfg.data_parallel_size, cfg.trainer.max_steps)
+
+
+def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | None = None) -> InstructionDataModule:
+    """The DataModule a training run of `cfg` uses (its micro-batches, accumulation and ranks)."""
+    return build_datamodule(
+        cfg.data,
+        tokenizer,
+        cfg.hardware.micro_batch_size,
+        cfg.hardware.num_workers if num_workers is None else num_workers,
+        cfg.accumulate_grad_batches * cfg.data_parallel_size,
+        flat_batching(cfg),
+    )

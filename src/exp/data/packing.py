@@ -40,13 +40,15 @@ def pack(examples: list, max_len: int, ignore_index: int) -> list[Packed]:
         else:
             bins.append([i])
             bisect.insort(free, (max_len - n, len(bins) - 1))
-    rows = []
-    for members in bins:
-        ids, labels, pos = [], [], []
-        for i in members:
-            e = examples[i]
-            ids += e.input_ids
-            labels += [ignore_index] + list(e.labels[1:])  # never predict an example's first token from the last
-            pos += list(range(len(e.input_ids)))
-        rows.append(Packed(ids, labels, pos, len(members)))
-    return rows
+    return [concatenate([examples[i] for i in members], ignore_index) for members in bins]
+
+
+def concatenate(examples: list, ignore_index: int) -> Packed:
+    """`examples` end to end in one row, each with its own position ids (from 0) and its first label ignored (never
+    predict an example's first token from the one before it). Packing's rows and padding-free micro-batches."""
+    ids, labels, pos = [], [], []
+    for e in examples:
+        ids += e.input_ids
+        labels += [ignore_index] + list(e.labels[1:])
+        pos += list(range(len(e.input_ids)))
+    return Packed(ids, labels, pos, len(examples))

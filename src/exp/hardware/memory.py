@@ -435,8 +435,14 @@ def estimate_memory(
         raise ValueError(f"checkpoint_layers={checkpoint_layers}: must be >= 0 (or None for all layers)")
     if not 0 <= dequantized_layers <= s.layers:
         raise ValueError(f"dequantized_layers={dequantized_layers}: must be in 0..{s.layers}")
-    if attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        raise ValueError(f"attn_implementation={attn_implementation!r}: sdpa, eager or flash_attention_2")
+    if attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r}: sdpa, eager, flash_attention_2 or flex_attention"
+        )
+    if attn_implementation == "flex_attention":
+        # Like FlashAttention: q, k, v, the output and the log-sum-exp per head and token, no score matrix, no
+        # materialised mask (a block mask of a few bytes per 128 x 128 tile) and no repeated GQA heads.
+        attn_implementation, padding_mask = "flash_attention_2", False
     c = compute_bytes
     t = micro_batch_size * seq_len
     eager = attn_implementation == "eager"

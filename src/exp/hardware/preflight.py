@@ -376,8 +376,10 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     elif not on_gpu and hw.devices == -1:
         hw.devices = 1
 
-    # Before the memory decisions: compiled layers save less (exp.hardware.memory).
+    # Before the memory decisions: compiled layers save less (exp.hardware.memory), and the attention kernel decides
+    # whether scores are held per token pair.
     _resolve_compile(cfg, env, on_gpu, notes)
+    _resolve_padding_free_attention(cfg, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
         _resolve_strategy_and_precision(cfg, env, findings, notes, memory_check)
     elif hw.strategy == Strategy.auto:
@@ -425,6 +427,25 @@ def _resolve_compile(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: li
     if hw.compile is True and on_gpu and env.gpus and (problem := compile_problem(env)):
         hw.compile = False
         notes.append(f"hardware.compile={wanted}: {problem}; the decoder layers run eagerly (slower, more memory)")
+
+
+def _resolve_padding_free_attention(cfg: TrainConfig, on_gpu: bool, notes: list[str]) -> None:
+    """Padding-free rows need an attention kernel that keeps examples apart without a quadratic score matrix.
+
+    Eager attention (Gemma 2's, for its logit softcapping, which SDPA lacks) materialises batch x heads x T x T
+    scores, and a padding-free row of T = thousands of tokens makes that the step's largest tensor. On a CUDA GPU
+    such a run takes `flex_attention` instead: softcapping is its score modifier and the example boundaries its
+    block mask, so masked-out blocks are skipped, not computed. FlexAttention has no backward on the CPU, so
+    there eager stays. SDPA keeps its block-diagonal boolean mask (built by transformers from the position ids)."""
+    if not cfg.hardware.padding_free or cfg.data.packing or not on_gpu:
+        return
+    if cfg.model.attn_implementation == "eager":
+        cfg.model.attn_implementation = "flex_attention"
+        notes.append(
+            "hardware.padding_free: model.attn_implementation=flex_attention instead of eager (eager would hold "
+            "heads x T x T scores per padding-free row; FlexAttention applies the softcap and skips the blocks "
+            "across examples)"
+        )
 
 
 def _strategy_name(cfg: TrainConfig) -> str:
@@ -567,6 +588,9 @@ def _fit_micro_batch(cfg: TrainConfig, budget: _Budget, shards: int, auto_layers
     if per_device < 1 or t.global_batch_size % cfg.data_parallel_size:
         return  # the batch checks explain it
     seq = cfg.data.max_seq_len
+    if hw.padding_free and not cfg.data.packing and hw.micro_batch_tokens is None:
+        _fit_token_budget(cfg, budget, shards, auto_layers, notes)
+        return
     divisors = [m for m in range(per_device, 0, -1) if per_device % m == 0]
     allowed = [m for m in divisors if m * seq >= AUTO_MICRO_BATCH_MIN_TOKENS] or divisors[:1]
     trial = copy.deepcopy(cfg)
@@ -592,6 +616,42 @@ def _fit_micro_batch(cfg: TrainConfig, budget: _Budget, shards: int, auto_layers
     notes.append(
         f"hardware.auto_micro_batch: micro-batch {chosen} x {seq} tokens (was {before}), {steps} micro-batch(es) "
         f"per optimiser step: {verdict}"
+    )
+
+
+def _fit_token_budget(cfg: TrainConfig, budget: _Budget, shards: int, auto_layers: bool, notes: list[str]) -> None:
+    """hardware.auto_micro_batch with padding_free: the token budget of one micro-batch, m x data.max_seq_len for
+    the largest m (up to the per-device global batch, any whole number: padding-free micro-batches hold as many
+    examples as fit, not a fixed count) whose estimate fits without recomputing layers. The estimate of m padded rows
+    of max_seq_len bounds a row of m x max_seq_len tokens: the same tokens, and attention that never spans more than
+    one example. micro_batch_size becomes the largest divisor of the per-device batch up to m (validation batches)."""
+
+    hw, t = cfg.hardware, cfg.trainer
+    per_device = t.global_batch_size // cfg.data_parallel_size
+    seq = cfg.data.max_seq_len
+    trial = copy.deepcopy(cfg)
+    if auto_layers:
+        trial.hardware.gradient_checkpointing, trial.hardware.checkpoint_layers = False, None
+    chosen, fitted = 1, False
+    for m in range(per_device, 0, -1):
+        trial.hardware.micro_batch_size = m
+        if estimate_for_config(trial, num_shards=shards).total <= budget.planned:
+            chosen, fitted = m, True
+            break
+    hw.micro_batch_tokens = chosen * seq
+    hw.micro_batch_size = max(d for d in range(1, chosen + 1) if per_device % d == 0)
+    trial.hardware.micro_batch_size = chosen
+    est = estimate_for_config(trial, num_shards=shards).total / GiB
+    how = "no recomputed layer" if auto_layers else "the configured checkpointing"
+    verdict = (
+        f"the most with {how} within {budget.planned / GiB:.1f} GiB ({budget.reason}; estimated {est:.1f} GiB)"
+        if fitted
+        else f"one example's worth; even it needs {est:.1f} GiB with {how} (within {budget.planned / GiB:.1f} GiB: "
+        f"{budget.reason})"
+    )
+    notes.append(
+        f"hardware.auto_micro_batch: padding-free micro-batches of at most {hw.micro_batch_tokens} tokens "
+        f"({chosen} x {seq}): {verdict}"
     )
 
 

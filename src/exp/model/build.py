@@ -22,6 +22,7 @@ from exp.core.config import (
     TrainConfig,
     model_path_problem,
 )
+from exp.model.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
             if p.requires_grad:
                 p.data = p.data.to(dtype)
     if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
+        log.info("compile caches: %s", use_compile_cache())
         compile_decoder_layers(model)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()

@@ -17,6 +17,7 @@ import torch
 from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, Strategy, TrainConfig, TrainerConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.model.build import build_model
+from exp.model.compile_cache import compile_summary
 from exp.model.loss import causal_lm_loss, resolve_loss_impl
 from exp.model.loss_plan import LossChoice
 from exp.model.metrics import batch_response_metrics
@@ -128,7 +129,10 @@ class QLoRAModule(L.LightningModule):
         self._step_started: float | None = None
         self._step_tokens = 0
         self._batch_tokens = 0  # real tokens of the next training batch, counted before its transfer
+        self._step_slots = 0  # token positions (real and padding) of the optimiser step so far
+        self._batch_slots = 0
         self.step_tokens_per_s: list[float] = []
+        self.step_padding: list[float] = []  # per optimiser step: the fraction of its token positions that pad
         self.step_seconds: list[float] = []  # per optimiser step: what a study plan's time estimate reads
         # Resume state (saved in every checkpoint under "exp"): micro-batches this rank has trained on (the data
         # position), steps skipped for NaN/Inf, and ids of the tracking runs to continue.
@@ -235,14 +239,19 @@ class QLoRAModule(L.LightningModule):
         if self._step_started is None:
             self._step_started = time.perf_counter()
         self._step_tokens += self._batch_tokens
+        self._step_slots += self._batch_slots
 
     def on_before_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
         # The batch's real tokens are counted here, while it is still on the host: read back from a GPU, the sum
         # would wait for every kernel queued before it (a host sync per micro-batch).
+        real = batch.pop("real_tokens", None)  # padding-free rows say how many of their tokens are real
         if self.trainer.training:
             mask = batch.get("attention_mask")
-            # Packed rows carry no attention mask (and no padding): every position is a real token.
-            self._batch_tokens = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+            self._batch_slots = batch["input_ids"].numel()
+            if real is not None:
+                self._batch_tokens = int(real)
+            else:  # packed rows carry no attention mask: their positions are all taken by examples
+                self._batch_tokens = int(mask.sum()) if mask is not None else self._batch_slots
         return batch
 
     def on_train_batch_end(self, outputs: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -251,29 +260,40 @@ class QLoRAModule(L.LightningModule):
         elapsed = time.perf_counter() - self._step_started
         # Real (non-padding) input tokens per second over the optimiser step just finished.
         tokens_per_s = self._step_tokens / elapsed
+        padding = 1 - self._step_tokens / self._step_slots if self._step_slots else 0.0
         self.step_tokens_per_s.append(tokens_per_s)
         self.step_seconds.append(elapsed)
+        self.step_padding.append(padding)
         self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
+        self.log("train/padding", padding, prog_bar=True)
         if self.device.type == "cuda":
             self.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
-        self._step_started, self._step_tokens = None, 0
+        self._step_started, self._step_tokens, self._step_slots = None, 0, 0
 
     def throughput_summary(self) -> dict[str, float | None]:
-        """Median tokens/s over the steps after the first two (warm-up: allocator, kernels) and peak memory."""
+        """Median real (non-padding) tokens/s over the steps after the first two (warm-up: allocator, kernels,
+        compilation), the padding fraction of the run's micro-batches, peak memory and what compiling cost."""
         timed = self.step_tokens_per_s[2:] or self.step_tokens_per_s
         seconds = self.step_seconds[2:] or self.step_seconds
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return {
             "tokens_per_s_median": round(statistics.median(timed), 1) if timed else None,
             "step_seconds_median": round(statistics.median(seconds), 4) if seconds else None,
+            "padding_fraction": round(statistics.mean(self.step_padding), 4) if self.step_padding else None,
             "peak_memory_gib": round(peak, 2) if peak is not None else None,
+            "compile": compile_summary() if self.cfg.hardware.compile is True else None,
         }
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        for k, v in batch_response_metrics(self.model, batch, self.loss_choice.impl).items():
+        # Eager, also where the layers are compiled: without gradients every compiled layer would compile again
+        # (a graph per grad mode and length), which on a fresh machine costs more than the whole validation of a
+        # held-out split in eager mode.
+        with torch.compiler.set_stance("force_eager"):
+            metrics = batch_response_metrics(self.model, batch, self.loss_choice.impl)
+        for k, v in metrics.items():
             self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
 
     def on_validation_epoch_end(self) -> None:
@@ -349,7 +369,9 @@ class QLoRAModule(L.LightningModule):
         return {
             "tokens_per_s_median": combine("tokens_per_s_median", sum),
             "step_seconds_median": combine("step_seconds_median", max),
+            "padding_fraction": combine("padding_fraction", statistics.mean),
             "peak_memory_gib": combine("peak_memory_gib", max),
+            "compile": ranks[0]["compile"],
             "per_rank": ranks,
         }
 

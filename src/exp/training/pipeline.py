@@ -20,7 +20,7 @@ import torch
 
 from exp.core.config import ConfigError, LoggerKind, Strategy, TrainConfig
 from exp.core.secrets import mask_secrets
-from exp.data.datamodule import build_datamodule
+from exp.data.datamodule import build_run_datamodule
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
 from exp.model.build import build_tokenizer, quiet_third_party_logs
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
@@ -86,9 +86,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         GUARD.phase = "model build"
         tokenizer = build_tokenizer(cfg.model)
         GUARD.phase = "data preparation"
-        hw = cfg.hardware
-        step_micro_batches = cfg.accumulate_grad_batches * cfg.data_parallel_size
-        datamodule = build_datamodule(cfg.data, tokenizer, hw.micro_batch_size, hw.num_workers, step_micro_batches)
+        datamodule = build_run_datamodule(cfg, tokenizer)
         GUARD.phase = "start-up"
         checkpoint = Path(resume["checkpoint"]) if resume else None
         tracking_ids = dict(resume["tracking_ids"]) if resume else {}
@@ -110,6 +108,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
             output_dir,
             [*loggers, RecordMetrics(lambda: module.trainer.global_step)],
             resuming=checkpoint is not None,
+            accumulate=datamodule.flat_accumulation,
         )
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)

@@ -87,11 +87,15 @@ def configure_cuda_allocator() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
 
 
-def build_trainer(cfg: TrainConfig, output_dir: Path, loggers: list, resuming: bool = False) -> L.Trainer:
+def build_trainer(
+    cfg: TrainConfig, output_dir: Path, loggers: list, resuming: bool = False, accumulate: int | None = None
+) -> L.Trainer:
+    """`accumulate`: micro-batches per optimiser step on one rank, where the data decides it (padding-free
+    batching, `InstructionDataModule.flat_accumulation`); by default the config's."""
     hw, t = cfg.hardware, cfg.trainer
     if hw.accelerator != Accelerator.cpu:
         configure_cuda_allocator()
-    accumulate = cfg.accumulate_grad_batches
+    accumulate = accumulate or cfg.accumulate_grad_batches
     plugins = _plugins(cfg)
     return L.Trainer(
         accelerator=hw.accelerator.value,

@@ -1,0 +1,71 @@
+"""Padding-free micro-batches: an optimiser step's examples laid end to end, cut into micro-batches by tokens.
+
+A step holds the examples plain random batching gives it (`trainer.global_batch_size` of them, in the seeded
+order); its micro-batches are rows of concatenated examples instead of padded rectangles. Each example keeps its own
+position ids (restarting at 0) and the batch carries `position_ids` and no `attention_mask`: transformers reads the
+restarts as sequence boundaries (`masking_utils.find_packed_sequence_indices`) and builds a block-diagonal causal mask
+(SDPA, eager), a document mask (`flex_attention`) or varlen kernels (FlashAttention), so no token attends to another
+example. The first label of every example is ignored, as in packing: no example learns to follow the previous one.
+
+What changes against padded batches is only where the tokens sit. The step's loss is the mean over all of its loss
+tokens (each micro-batch carries its step's total, `exp.training.module.step_token_weighted`), so the step's
+gradient is the padded step's (tests/test_padding_free.py checks losses and gradients per family).
+
+Lightning accumulates a fixed number of micro-batches per optimiser step, so the number is one per run: the fewest
+(a multiple of the data-parallel ranks) whose token-balanced split of every step of the run keeps each micro-batch
+within the token budget. Rows are rounded up to PAD_MULTIPLE tokens so that a compiled model meets few distinct
+shapes; that rounding is the only padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Rows are padded up to a multiple of this many tokens (tensor-core friendly): at most 15 padding tokens per
+# micro-batch (0.5% of a 3,000-token one), and a compiled layer meets 1 / 16 as many distinct lengths.
+PAD_MULTIPLE = 16
+# Steps whose split decides the micro-batch count: the run's steps, but at most this many epochs of them (later
+# epochs reshuffle the same lengths; a step there that needs more keeps the count and exceeds the budget slightly).
+PLAN_EPOCHS = 20
+
+
+@dataclass(frozen=True)
+class FlatBatching:
+    """How padding-free micro-batches are cut: `token_budget` tokens at most per micro-batch, `global_batch_size`
+    examples per optimiser step over `world_size` data-parallel ranks, for a run of `max_steps` steps."""
+
+    token_budget: int
+    global_batch_size: int
+    world_size: int = 1
+    max_steps: int = 1
+
+
+def balanced_split(indices: list[int], lengths: list[int], parts: int) -> list[list[int]]:
+    """`indices` (examples of one step) into `parts` groups of about equal token counts: longest first, each to the
+    lightest group so far (ties: the lower group). Each group keeps the step's order. Deterministic."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for position in sorted(range(len(indices)), key=lambda p: (-lengths[indices[p]], p)):
+        g = min(range(parts), key=lambda j: (loads[j], j))
+        groups[g].append(position)
+        loads[g] += lengths[indices[position]]
+    return [[indices[p] for p in sorted(group)] for group in groups]
+
+
+def largest_load(groups: list[list[int]], lengths: list[int]) -> int:
+    return max(sum(lengths[i] for i in g) for g in groups)
+
+
+def micro_batches_per_step(steps: list[list[int]], lengths: list[int], plan: FlatBatching) -> int:
+    """The fewest micro-batches per step (a multiple of the ranks, at most one example each) within the budget."""
+    world, most = plan.world_size, plan.global_batch_size
+    k = world
+    for step in steps:
+        while k < most and largest_load(balanced_split(step, lengths, k), lengths) > plan.token_budget:
+            k += world
+    return k
+
+
+def row_length(tokens: int) -> int:
+    """A micro-batch's row length: its tokens rounded up to PAD_MULTIPLE."""
+    return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE

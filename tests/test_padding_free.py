@@ -1,0 +1,262 @@
+"""Padding-free micro-batches: the same steps, the same losses and gradients as padded batches, per Gemma family."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import compose_typed
+
+from exp.core.constants import IGNORE_INDEX
+from exp.data.datamodule import (
+    Encoded,
+    build_run_datamodule,
+    collate,
+    collate_flat,
+    loss_tokens,
+    shuffled_batches,
+)
+from exp.data.padding_free import (
+    PAD_MULTIPLE,
+    FlatBatching,
+    balanced_split,
+    largest_load,
+    micro_batches_per_step,
+    row_length,
+)
+from exp.training.module import step_token_weighted
+
+# Example lengths of one step: several longer than the sliding window below, one of a single response token.
+LENGTHS = [41, 7, 23, 2, 36, 15]
+WINDOW = 8
+
+
+def tiny_model(family: str):
+    """A random fp32 model of `family`: Gemma 2 with its softcapping (eager), Gemma 2 / 3 with a sliding window
+    shorter than most examples, and a full-attention layer beside it."""
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        GemmaConfig,
+        GemmaForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        use_cache=False,
+        initializer_range=0.2,  # larger than Gemma's, so that the logits (and any mistake) are not flat
+    )
+    torch.manual_seed(0)
+    if family == "gemma":
+        model = GemmaForCausalLM(GemmaConfig(num_hidden_layers=2, **common, attn_implementation="sdpa"))
+    elif family == "gemma2":
+        config = Gemma2Config(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,  # low enough to bend the scores of this model (Gemma 2's is 50)
+            final_logit_softcapping=3.0,
+            **common,
+            attn_implementation="eager",
+        )
+        model = Gemma2ForCausalLM(config)
+    else:
+        config = Gemma3TextConfig(
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+            attn_implementation="sdpa",
+        )
+        model = Gemma3ForCausalLM(config)
+    return model.float().train()  # dropout is 0 in these configs: train mode changes nothing but is what training runs
+
+
+def examples(seed: int = 0) -> list[Encoded]:
+    """A step's examples: a prompt (no loss) then a response (loss), as exp's encoding gives them."""
+    rng = random.Random(seed)
+    out = []
+    for n in LENGTHS:
+        ids = [2] + [rng.randrange(3, 97) for _ in range(n - 1)]
+        prompt = max(1, n // 3) if n > 2 else 1
+        out.append(Encoded(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+    return out
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position next-token loss of one row (0 where no loss is taken)."""
+    return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def padded_step(model, step: list[Encoded], micro: int):
+    """Per-example mean losses, the step's loss and its gradients from padded micro-batches of `micro` examples."""
+    model.zero_grad()
+    total = sum(loss_tokens(e) for e in step)
+    per_example, step_loss = [], 0.0
+    for k in range(0, len(step), micro):
+        batch = collate(step[k : k + micro], pad_id=0)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        summed = 0
+        for row in range(logits.shape[0]):
+            t = token_losses(logits[row], batch["labels"][row])
+            n = (batch["labels"][row, 1:] != IGNORE_INDEX).sum()
+            per_example.append((t.sum() / n).item())
+            summed = summed + t.sum()
+        (summed / total).backward()
+        step_loss += (summed / total).item()
+    return per_example, step_loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = True):
+    """The same from padding-free micro-batches, as exp trains them: `collate_flat` rows, transformers' own loss
+    (`model(**batch).loss`, the mean over the row), re-weighted by `step_token_weighted` and divided by the
+    accumulation as Lightning does."""
+    model.zero_grad()
+    total = sum(loss_tokens(e) for e in step)
+    lengths = [len(e.input_ids) for e in step]
+    groups = balanced_split(list(range(len(step))), lengths, parts)
+    per_example: dict[int, float] = {}
+    step_loss = 0.0
+    for group in groups:
+        batch = collate_flat([(step[i], total) for i in group], pad_id=0)
+        assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
+        assert batch["input_ids"].shape[1] == row_length(sum(lengths[i] for i in group))
+        batch.pop("real_tokens")
+        step_tokens = batch.pop("step_loss_tokens")
+        positions = batch["position_ids"] if restart_positions else torch.arange(batch["input_ids"].shape[1])[None]
+        out = model(input_ids=batch["input_ids"], position_ids=positions, labels=batch["labels"])
+        loss = step_token_weighted(out.loss, batch["labels"], step_tokens, accumulate=parts, world_size=1) / parts
+        loss.backward()
+        step_loss += loss.item()
+        t = token_losses(out.logits[0], batch["labels"][0])
+        start = 0
+        for i in group:
+            n = lengths[i]
+            segment = t[start : start + n - 1]  # position start + j predicts label start + j + 1, inside the example
+            counted = (batch["labels"][0, start + 1 : start + n] != IGNORE_INDEX).sum()
+            per_example[i] = (segment.sum() / counted).item()
+            start += n
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return [per_example[i] for i in range(len(step))], step_loss, grads
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_padding_free_losses_and_gradients_equal_padded(family):
+    model = tiny_model(family)
+    step = examples()
+    assert max(LENGTHS) > WINDOW  # the sliding window is shorter than some examples
+    ref_examples, ref_loss, ref_grads = padded_step(model, step, micro=3)
+    got_examples, got_loss, got_grads = flat_step(model, step, parts=2)
+    assert got_examples == pytest.approx(ref_examples, rel=1e-5, abs=1e-6)
+    assert got_loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    # The check can fail: one long sequence (positions running on, attention across examples) gives other losses.
+    wrong_examples, _, _ = flat_step(model, step, parts=2, restart_positions=False)
+    assert max(abs(a - b) for a, b in zip(wrong_examples, ref_examples, strict=True)) > 1e-3
+
+
+def test_balanced_split_keeps_the_steps_examples_and_balances_tokens():
+    lengths = [100, 90, 80, 10, 10, 10, 5, 5]
+    step = [7, 3, 0, 5, 1, 6, 2, 4]
+    groups = balanced_split(step, lengths, 3)
+    assert sorted(i for g in groups for i in g) == sorted(step)  # every example once
+    assert all(g == sorted(g, key=step.index) for g in groups)  # each in the step's order
+    # 310 tokens in 3 parts need >= 104 in one; the split finds the best, 105.
+    assert largest_load(groups, lengths) == 105
+    plan = FlatBatching(token_budget=200, global_batch_size=8)
+    assert micro_batches_per_step([step], lengths, plan) == 2  # 310 tokens: two micro-batches of <= 200
+    assert micro_batches_per_step([step], lengths, FlatBatching(400, 8)) == 1
+    # With ranks, a multiple of them.
+    assert micro_batches_per_step([step], lengths, FlatBatching(200, 8, world_size=2)) == 2
+    assert micro_batches_per_step([step], lengths, FlatBatching(100, 8, world_size=4)) == 4
+    assert micro_batches_per_step([step], lengths, FlatBatching(100, 8, world_size=3)) == 6  # 310 > 3 x 100
+    assert row_length(1) == PAD_MULTIPLE and row_length(PAD_MULTIPLE) == PAD_MULTIPLE
+
+
+def varied_alpaca(path, n: int = 120, seed: int = 0) -> None:
+    """An Alpaca-format file of very different lengths (a few words to a few hundred characters)."""
+    rng = random.Random(seed)
+    words = "river stone seven blue quick model answer light paper green under over".split()
+    rows = [
+        {
+            "instruction": " ".join(rng.choice(words) for _ in range(rng.randint(2, 10))),
+            "input": "",
+            "output": " ".join(rng.choice(words) for _ in range(rng.choice([1, 3, 8, 20, 45]))),
+        }
+        for _ in range(n)
+    ]
+    path.write_text(json.dumps(rows))
+
+
+def test_padding_free_steps_hold_the_padded_steps_examples(tmp_path):
+    """hardware=gpu composed on the CPU: each step's micro-batches together hold exactly that step's examples of
+    plain seeded batching, within the token budget, with (almost) no padding; the loader yields what was planned."""
+    from exp.model.build import build_tokenizer
+
+    data = tmp_path / "varied.json"
+    varied_alpaca(data)
+    cfg = compose_typed(
+        [
+            "hardware=gpu",
+            "hardware.accelerator=cpu",
+            "data=alpaca",
+            f"data.path={data}",
+            "data.max_seq_len=256",
+            "trainer.global_batch_size=16",
+            "trainer.max_steps=12",
+            "hardware.micro_batch_tokens=1024",
+        ]
+    )
+    dm = build_run_datamodule(cfg, build_tokenizer(cfg.model), num_workers=0)
+    k = dm.step_micro_batches
+    assert dm.flat_accumulation == k and k >= 2  # 16 examples of up to 256 tokens do not fit in one 1,024 budget
+    lengths = [len(e.input_ids) for e in dm.train_set]
+    for epoch in range(2):
+        micro = dm.train_epoch_batches(epoch)
+        steps = shuffled_batches(len(dm.train_set), 16, cfg.data.seed, epoch)
+        assert len(micro) == len(steps) * k
+        for s, step in enumerate(steps):
+            got = micro[s * k : (s + 1) * k]
+            assert sorted(i for g in got for i in g) == sorted(step)
+            if epoch == 0 and s < cfg.trainer.max_steps:
+                assert largest_load(got, lengths) <= 1024
+    stats = dm.stats["train"]
+    assert stats["padding_fraction"] <= 0.05 and stats["micro_batches_per_step"] == k
+    # What the loader yields: rows of real tokens, the step's loss-token total on each micro-batch.
+    loader = iter(dm.train_dataloader())
+    first = [next(loader) for _ in range(k)]
+    plan = dm.train_epoch_batches(0)[:k]
+    total = sum(loss_tokens(dm.train_set[i]) for g in plan for i in g)
+    for batch, group in zip(first, plan, strict=True):
+        assert int(batch["real_tokens"]) == sum(lengths[i] for i in group)
+        assert float(batch["step_loss_tokens"]) == total
+        assert batch["input_ids"].shape == (1, row_length(int(batch["real_tokens"])))
+
+
+def test_padded_batching_is_unchanged_without_padding_free(tmp_path):
+    data = tmp_path / "varied.json"
+    varied_alpaca(data)
+    from exp.model.build import build_tokenizer
+
+    cfg = compose_typed(["data=alpaca", f"data.path={data}", "data.max_seq_len=256"])
+    assert not cfg.hardware.padding_free
+    dm = build_run_datamodule(cfg, build_tokenizer(cfg.model), num_workers=0)
+    assert dm.flat is None and dm.flat_accumulation is None
+    assert "micro_batches_per_step" not in dm.stats["train"]
+
+
+def test_micro_batch_tokens_below_the_longest_example_is_refused():
+    from exp.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hardware.micro_batch_tokens=100 is below data.max_seq_len=128"):
+        compose_typed(["hardware.padding_free=true", "hardware.micro_batch_tokens=100"])
