@@ -28,6 +28,13 @@
 #   multi7b      2 GPUs: benchmarks/multi_gpu.py, the Gemma-7B shape under one GPU, DDP, FSDP and model parallelism
 #                (scaling, FSDP's peak against DDP's, where the weights live); on $EXP_ALPACA when given. Resumable:
 #                called again on the same (warm) machine it keeps the runs that completed (outputs/multi_gpu)
+#   realpf       exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8, $REAL_STEPS (40) steps: baseline,
+#                exp (padding-free, SDPA) and exp with flex_attention, the same steps; then exp on 2048 x 8 random tokens
+#   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps; default the 7B shape for
+#                200 steps, then Gemma 3 1B, Gemma 2 2B, Gemma-2B, Gemma 3 4B for 20), then the first again on the
+#                warm compile caches; console logs and summary.json (compile time and graph count) in train/
+#   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
+#                full-length tokens/s)
 #   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
 #                1e-4/2e-4 x seeds=4, 100 steps each), its --plan, then packed by memory on GPU 0, then the same
 #                sweep one job at a time in what is left of the stage's time; called again on the same (warm)
@@ -177,6 +184,31 @@ run_stage() {
       # Everything but the weights (checkpoints, adapters, tokenizer files), for exp.report on another machine.
       tar -czf "$OUT/study.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
         --exclude='*.partial' outputs/gpu_study $(cd "$ROOT" && ls -d multirun/study_warmup_* 2>/dev/null) ;;
+    realpf)
+      # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, exp with FlexAttention
+      # beside SDPA, and the synthetic 2048 x 8 figure of the same build for the ratio.
+      stage realpf 560 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=${REAL_STEPS:-40} warmup=3 \
+        variant=baseline variant=exp variant="exp model.attn_implementation=flex_attention"
+      stage synth7b 200 "${BENCH[@]}" steps=12 variant=exp ;;
+    trainruns)
+      # README-style runs on the real file: $TRAIN_MODELS (model:steps) from this machine's first compile, then the
+      # first model again on the warm caches (the compile cache's reuse); each run's summary.json kept.
+      mkdir -p "$WORK/train"
+      first=""
+      for spec in ${TRAIN_MODELS:-gemma_7b:200 gemma3_1b:20 gemma2_2b:20 gemma_2b:20 gemma3_4b:20} again; do
+        if [ "$spec" = again ]; then spec=$first; tag=again; else tag=first; fi
+        [ -z "$first" ] && first=$spec
+        m=${spec%%:*} n=${spec##*:}
+        stage "train_${m}_${tag}" 420 bash -c "t0=\$SECONDS; python3 -m exp.train model=$m model.random_init=true hardware=gpu \
+          data=alpaca data.path=$ALPACA data.max_seq_len=${TRAIN_SEQ:-2048} trainer=default trainer.max_steps=$n \
+          trainer.val_every_n_steps=$n trainer.warmup_steps=0 logger=csv hydra.run.dir=$WORK/train/${m}_${tag} \
+          > $WORK/train/${m}_${tag}.txt 2>&1; echo exit \$? after \$((SECONDS - t0)) s; tail -9 $WORK/train/${m}_${tag}.txt"
+        rm -rf "$WORK/train/${m}_${tag}/adapter" "$WORK/train/${m}_${tag}"/checkpoints
+      done ;;
+    synthfam)
+      for m in ${SYNTH_MODELS:-gemma_2b gemma2_2b gemma3_1b gemma3_4b}; do
+        stage "synth_$m" 200 "${BENCH[@]}" model=$m seq=${TRAIN_SEQ:-2048} micro_batch=8 steps=12 variant=exp
+      done ;;
     *) log "unknown stage $1"; status=1 ;;
   esac
 }

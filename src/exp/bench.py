@@ -316,12 +316,10 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     datamodule = None
     if settings.data_path:
         # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-        from exp.data.datamodule import build_datamodule
+        from exp.data.datamodule import build_run_datamodule
         from exp.model.build import build_tokenizer
 
-        datamodule = build_datamodule(
-            cfg.data, build_tokenizer(cfg.model), cfg.hardware.micro_batch_size, 0, cfg.accumulate_grad_batches
-        )
+        datamodule = build_run_datamodule(cfg, build_tokenizer(cfg.model), num_workers=0)
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)  # as exp.train: data, then the seed
     else:
         tokens = [
@@ -331,11 +329,13 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         # the mean of the micro-batch means is the step's mean).
         m = cfg.hardware.micro_batch_size
         batches = [{"input_ids": x[k : k + m], "labels": x[k : k + m]} for x in tokens for k in range(0, len(x), m)]
-    clock = step_clock(settings.warmup, cuda, cfg.accumulate_grad_batches, profile=settings.profile)
+    # Padding-free batching decides the micro-batches per step from the data.
+    accumulate = (datamodule.flat_accumulation if datamodule is not None else None) or cfg.accumulate_grad_batches
+    clock = step_clock(settings.warmup, cuda, accumulate, profile=settings.profile)
 
     module = QLoRAModule(cfg)
     loggers = build_loggers(cfg.logger, work_dir, "bench", config_dict(cfg))
-    trainer = build_trainer(cfg, work_dir, loggers, resuming=datamodule is None)
+    trainer = build_trainer(cfg, work_dir, loggers, resuming=datamodule is None, accumulate=accumulate)
     trainer.callbacks.append(clock)
     started = time.perf_counter()
     if datamodule is not None:
@@ -354,7 +354,13 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         "real_tokens": clock.real_tokens,
         "val_loss": val_loss,
         "micro_batch_exp": hw.micro_batch_size,
-        "accumulate": cfg.accumulate_grad_batches,
+        "accumulate": accumulate,
+        # Padding-free steps hold exactly the baseline's examples (its seeded order): per-step losses compare.
+        "same_steps": datamodule is not None and datamodule.flat is not None,
+        "micro_batch_tokens": datamodule.flat.token_budget if datamodule is not None and datamodule.flat else None,
+        "padding_fraction": datamodule.stats["train"]["padding_fraction"] if datamodule is not None else None,
+        "attn_implementation": cfg.model.attn_implementation,
+        "compile_stats": module.throughput_summary()["compile"],
         "preflight_notes": result.notes,
         "memory_finding": next((f.message for f in result.findings if f.key == "memory"), None),
         "estimated_gib": round(estimate_for_config(cfg).allocated / 2**30, 2),
@@ -649,6 +655,12 @@ def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: 
                 "ok": diff <= val_tol,
                 "same_lora_init": row.get("lora_fingerprint") == ref.get("lora_fingerprint"),
             }
+            if row.get("same_steps"):  # padding-free: the steps hold the baseline's examples
+                k = min(parity_steps, len(ref["losses"]), len(row["losses"]))
+                steps = [abs(a - b) / abs(b) for a, b in zip(row["losses"][:k], ref["losses"][:k], strict=True)]
+                row["parity"]["steps"] = k
+                row["parity"]["max_rel_step_loss_diff"] = max(steps) if steps else None
+                row["parity"]["ok"] = row["parity"]["ok"] and bool(steps) and max(steps) <= tol
             continue
         k = min(parity_steps, len(ref["losses"]), len(row["losses"]))
         diffs = [abs(a - b) / abs(b) for a, b in zip(row["losses"][:k], ref["losses"][:k], strict=True)]
