@@ -30,9 +30,12 @@
 #                called again on the same (warm) machine it keeps the runs that completed (outputs/multi_gpu)
 #   realpf       exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8, $REAL_STEPS (40) steps: baseline,
 #                exp (padding-free, SDPA) and exp with flex_attention, the same steps; then exp on 2048 x 8 random tokens
-#   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps; default the 7B shape for
-#                200 steps, then Gemma 3 1B, Gemma 2 2B, Gemma-2B, Gemma 3 4B for 20), then the first again on the
-#                warm compile caches; console logs and summary.json (compile time and graph count) in train/
+#   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps, or `again`: the first one
+#                again, on the caches the first run left; default Gemma 3 1B for 20 steps, again, Gemma 2 2B 20, the
+#                7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json (compile time and graph
+#                count) in train/
+#   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only: SDPA and flex_attention, 8 examples
+#                a step with the first timed steps profiled (where a padding-free step's time goes), then 24 a step
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
 #                full-length tokens/s)
 #   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
@@ -106,7 +109,7 @@ stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
 run_stage() {
-  if [[ $1 == real || $1 == study ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -188,14 +191,14 @@ run_stage() {
       # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, exp with FlexAttention
       # beside SDPA, and the synthetic 2048 x 8 figure of the same build for the ratio.
       stage realpf 560 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=${REAL_STEPS:-40} warmup=3 \
-        variant=baseline variant=exp variant="exp model.attn_implementation=flex_attention"
+        variant=baseline variant=exp
       stage synth7b 200 "${BENCH[@]}" steps=12 variant=exp ;;
     trainruns)
       # README-style runs on the real file: $TRAIN_MODELS (model:steps) from this machine's first compile, then the
       # first model again on the warm caches (the compile cache's reuse); each run's summary.json kept.
       mkdir -p "$WORK/train"
       first=""
-      for spec in ${TRAIN_MODELS:-gemma_7b:200 gemma3_1b:20 gemma2_2b:20 gemma_2b:20 gemma3_4b:20} again; do
+      for spec in ${TRAIN_MODELS:-gemma3_1b:20 again gemma2_2b:20 gemma_7b:200 gemma_2b:20 gemma3_4b:20}; do
         if [ "$spec" = again ]; then spec=$first; tag=again; else tag=first; fi
         [ -z "$first" ] && first=$spec
         m=${spec%%:*} n=${spec##*:}
@@ -205,6 +208,11 @@ run_stage() {
           > $WORK/train/${m}_${tag}.txt 2>&1; echo exit \$? after \$((SECONDS - t0)) s; tail -9 $WORK/train/${m}_${tag}.txt"
         rm -rf "$WORK/train/${m}_${tag}/adapter" "$WORK/train/${m}_${tag}"/checkpoints
       done ;;
+    pfprofile)
+      stage pfprofile 330 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=8 warmup=3 profile=true \
+        variant=exp variant="exp model.attn_implementation=flex_attention"
+      stage pfprofile24 240 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=24 steps=6 warmup=2 \
+        variant=exp variant="exp model.attn_implementation=flex_attention" ;;
     synthfam)
       for m in ${SYNTH_MODELS:-gemma_2b gemma2_2b gemma3_1b gemma3_4b}; do
         stage "synth_$m" 200 "${BENCH[@]}" model=$m seq=${TRAIN_SEQ:-2048} micro_batch=8 steps=12 variant=exp

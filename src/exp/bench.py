@@ -50,6 +50,8 @@ H200_BF16_TFLOPS = 790.0
 PARITY_STEPS = 30  # the first steps whose losses are compared with the baseline's
 PROFILED_STEPS = 2  # profile=true: the first timed steps profiled
 # Settings the bench owns for both sides (its own keys): an override of them would change only the exp side.
+# Exceptions (EXP_CHOOSES) are how exp computes, not what: the attention kernel gives the same scores.
+EXP_CHOOSES = ("model.attn_implementation",)
 BENCH_OWNED = (
     "model",
     "lora",
@@ -149,7 +151,7 @@ def check_overrides(overrides: list[str]) -> None:
     """Refuse exp overrides of what the bench sets for both sides (they would change one side only)."""
     for option in overrides:
         key = option.lstrip("+~").partition("=")[0]
-        if any(key == owned or key.startswith(owned + ".") for owned in BENCH_OWNED):
+        if key not in EXP_CHOOSES and any(key == owned or key.startswith(owned + ".") for owned in BENCH_OWNED):
             raise ValueError(
                 f"{option!r}: {key} is set by exp.bench for both sides (use its keys: model=, seq=, micro_batch=, "
                 "steps=, lora_*=, lr=); as an exp override it would change one side only"
