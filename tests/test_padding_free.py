@@ -17,6 +17,7 @@ from exp.data.datamodule import (
     collate,
     collate_flat,
     loss_tokens,
+    sequence_boundaries,
     shuffled_batches,
 )
 from exp.data.padding_free import (
@@ -27,6 +28,7 @@ from exp.data.padding_free import (
     micro_batches_per_step,
     row_length,
 )
+from exp.model import varlen
 from exp.training.module import step_token_weighted
 
 # Example lengths of one step: several longer than the sliding window below, one of a single response token.
@@ -117,9 +119,9 @@ def padded_step(model, step: list[Encoded], micro: int):
 
 
 def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = True):
-    """The same from padding-free micro-batches, as exp trains them: `collate_flat` rows, transformers' own loss
-    (`model(**batch).loss`, the mean over the row), re-weighted by `step_token_weighted` and divided by the
-    accumulation as Lightning does."""
+    """The same from padding-free micro-batches, as exp trains them: `collate_flat` rows (their position ids and
+    sequence boundaries), transformers' own loss (`model(**batch).loss`, the mean over the row), re-weighted by
+    `step_token_weighted` and divided by the accumulation as Lightning does."""
     model.zero_grad()
     total = sum(loss_tokens(e) for e in step)
     lengths = [len(e.input_ids) for e in step]
@@ -132,8 +134,13 @@ def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = 
         assert batch["input_ids"].shape[1] == row_length(sum(lengths[i] for i in group))
         batch.pop("real_tokens")
         step_tokens = batch.pop("step_loss_tokens")
-        positions = batch["position_ids"] if restart_positions else torch.arange(batch["input_ids"].shape[1])[None]
-        out = model(input_ids=batch["input_ids"], position_ids=positions, labels=batch["labels"])
+        if restart_positions:
+            inputs = batch
+        else:
+            ids = batch["input_ids"]
+            inputs = {**sequence_boundaries(torch.arange(ids.shape[1])[None]), "input_ids": ids}
+            inputs["position_ids"], inputs["labels"] = torch.arange(ids.shape[1])[None], batch["labels"]
+        out = model(**inputs)
         loss = step_token_weighted(out.loss, batch["labels"], step_tokens, accumulate=parts, world_size=1) / parts
         loss.backward()
         step_loss += loss.item()
@@ -149,9 +156,16 @@ def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = 
     return [per_example[i] for i in range(len(step))], step_loss, grads
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
-def test_padding_free_losses_and_gradients_equal_padded(family):
+@pytest.mark.parametrize(
+    "family,attn", [("gemma", None), ("gemma2", None), ("gemma3", None), ("gemma", "varlen"), ("gemma3", "varlen")]
+)
+def test_padding_free_losses_and_gradients_equal_padded(family, attn):
+    """SDPA's (and eager's) block-diagonal mask from the position ids, and exp's varlen attention from the batch's
+    sequence boundaries (on the CPU: SDPA one example at a time, the CUDA kernel's reference)."""
     model = tiny_model(family)
+    if attn:
+        varlen.register()
+        model.config._attn_implementation = attn
     step = examples()
     assert max(LENGTHS) > WINDOW  # the sliding window is shorter than some examples
     ref_examples, ref_loss, ref_grads = padded_step(model, step, micro=3)

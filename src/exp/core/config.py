@@ -422,6 +422,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
             "model.attn_implementation=flex_attention on the CPU: FlexAttention has no backward pass on the CPU; use "
             "e.g. model.attn_implementation=sdpa (or eager for Gemma 2)"
         )
+    elif m.attn_implementation == "varlen" and m.family == ModelFamily.gemma2:
+        p.append(
+            "model.attn_implementation=varlen with a Gemma 2 model: the varlen kernel has no attention-logit "
+            "softcapping, which Gemma 2 needs; use model.attn_implementation=flex_attention (GPU) or eager"
+        )
     elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
         p.append(
             f"model.attn_implementation={m.attn_implementation} on the CPU: FlashAttention is a CUDA kernel; use "
@@ -642,7 +647,9 @@ WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 
 # Attention kernels a model may be loaded with (transformers' names; exp.hardware.memory estimates each).
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
+# varlen: exp.model.varlen (torch's FlashAttention varlen kernel over examples laid end to end; SDPA per example
+# on the CPU).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flex_attention", "varlen")
 # Sizes of a random-weight architecture (model.arch) that transformers would take and then fail on with a bare
 # tensor-shape error, or build into a model that cannot train.
 ARCH_SIZES = (

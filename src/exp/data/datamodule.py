@@ -419,8 +419,9 @@ def collate(examples: list[Encoded | Packed], pad_id: int, width: int | None = N
     """Right-pad to the longest row of the batch (or to `width`); padding is masked out and never a label.
 
     Packed rows get `position_ids` (restarting per example) and no `attention_mask`: transformers then builds
-    the block-diagonal mask from the position restarts (see `exp.data.packing`). Padding in a packed batch forms its
-    own short "sequence" (positions from 0) that no real token attends to.
+    the block-diagonal mask from the position restarts (see `exp.data.packing`), and their sequence boundaries
+    (`sequence_boundaries`) for varlen attention. Padding in a packed batch forms its own short "sequence"
+    (positions from 0) that no real token attends to.
     """
     width = max(width or 0, max(len(e.input_ids) for e in examples))
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -437,8 +438,21 @@ def collate(examples: list[Encoded | Packed], pad_id: int, width: int | None = N
             positions[i, :n] = torch.tensor(e.position_ids)
             positions[i, n:] = torch.arange(width - n)
     if packed:
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        return {"input_ids": ids, "labels": labels, "position_ids": positions, **sequence_boundaries(positions)}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def sequence_boundaries(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """Where the examples of position-id rows begin and end, rows flattened end to end, under transformers' names
+    for varlen attention (exp.model.varlen reads them; other attention implementations ignore them). Every restart
+    at 0 begins an example; a row's padding tail (positions from 0) is a sequence of its own that no real token
+    sees. The longest length is a Python int: read on the GPU it would cost a host sync every step."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([flat.numel()])])
+    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int((ends - starts).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def epoch_rng(seed: int, epoch: int) -> random.Random:

@@ -435,13 +435,14 @@ def estimate_memory(
         raise ValueError(f"checkpoint_layers={checkpoint_layers}: must be >= 0 (or None for all layers)")
     if not 0 <= dequantized_layers <= s.layers:
         raise ValueError(f"dequantized_layers={dequantized_layers}: must be in 0..{s.layers}")
-    if attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+    if attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention", "varlen"):
         raise ValueError(
-            f"attn_implementation={attn_implementation!r}: sdpa, eager, flash_attention_2 or flex_attention"
+            f"attn_implementation={attn_implementation!r}: sdpa, eager, flash_attention_2, flex_attention or varlen"
         )
-    if attn_implementation == "flex_attention":
+    if attn_implementation in ("flex_attention", "varlen"):
         # Like FlashAttention: q, k, v, the output and the log-sum-exp per head and token, no score matrix, no
-        # materialised mask (a block mask of a few bytes per 128 x 128 tile) and no repeated GQA heads.
+        # materialised mask (a block mask of a few bytes per 128 x 128 tile) and no repeated GQA heads. The varlen
+        # kernel (exp.model.varlen) is FlashAttention itself, its boundaries a few bytes per example.
         attn_implementation, padding_mask = "flash_attention_2", False
     c = compute_bytes
     t = micro_batch_size * seq_len

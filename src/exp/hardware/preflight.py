@@ -379,7 +379,7 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     # Before the memory decisions: compiled layers save less (exp.hardware.memory), and the attention kernel decides
     # whether scores are held per token pair.
     _resolve_compile(cfg, env, on_gpu, notes)
-    _resolve_padding_free_attention(cfg, on_gpu, notes)
+    _resolve_padding_free_attention(cfg, env, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
         _resolve_strategy_and_precision(cfg, env, findings, notes, memory_check)
     elif hw.strategy == Strategy.auto:
@@ -429,23 +429,57 @@ def _resolve_compile(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: li
         notes.append(f"hardware.compile={wanted}: {problem}; the decoder layers run eagerly (slower, more memory)")
 
 
-def _resolve_padding_free_attention(cfg: TrainConfig, on_gpu: bool, notes: list[str]) -> None:
-    """Padding-free rows need an attention kernel that keeps examples apart without a quadratic score matrix.
+def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: list[str]) -> None:
+    """Rows of several examples (padding-free micro-batches, packed rows) need an attention kernel that keeps the
+    examples apart without computing attention across them.
 
-    Eager attention (Gemma 2's, for its logit softcapping, which SDPA lacks) materialises batch x heads x T x T
-    scores, and a padding-free row of T = thousands of tokens makes that the step's largest tensor. On a CUDA GPU
-    such a run takes `flex_attention` instead: softcapping is its score modifier and the example boundaries its
-    block mask, so masked-out blocks are skipped, not computed. FlexAttention has no backward on the CPU, so
-    there eager stays. SDPA keeps its block-diagonal boolean mask (built by transformers from the position ids)."""
-    if not cfg.hardware.padding_free or cfg.data.packing or not on_gpu:
+    SDPA keeps them apart with a dense block-diagonal mask over the whole row, built by transformers from the
+    position ids, and its kernel computes every block of the row: cost grows with the row's length squared. On a
+    GPU with FlashAttention (compute capability >= 8.0, torch >= 2.10) Gemma and Gemma 3 take `varlen` instead
+    (exp.model.varlen: each example's attention alone, sliding window included). Eager attention (Gemma 2's, for
+    its logit softcapping, which SDPA and varlen lack) materialises heads x T x T scores; on a GPU such a run
+    takes `flex_attention`: softcapping is its score modifier and the example boundaries its block mask, so
+    blocks across examples are skipped. FlexAttention has no backward on the CPU, so there eager stays, and the
+    CPU keeps SDPA's mask."""
+    packed_rows = cfg.data.packing or cfg.hardware.padding_free
+    if not packed_rows or not on_gpu:
         return
-    if cfg.model.attn_implementation == "eager":
+    attn = cfg.model.attn_implementation
+    if attn == "sdpa" and cfg.model.family != ModelFamily.gemma2:
+        problem = _varlen_problem(env)
+        if problem is None:
+            cfg.model.attn_implementation = "varlen"
+            notes.append(
+                "rows of several examples: model.attn_implementation=varlen instead of sdpa (FlashAttention over each "
+                "example alone; SDPA's block-diagonal mask computes attention across the whole row)"
+            )
+        else:
+            notes.append(f"rows of several examples keep SDPA's block-diagonal mask: {problem}")
+        return
+    if cfg.data.packing:
+        return
+    if attn == "eager":
         cfg.model.attn_implementation = "flex_attention"
         notes.append(
             "hardware.padding_free: model.attn_implementation=flex_attention instead of eager (eager would hold "
             "heads x T x T scores per padding-free row; FlexAttention applies the softcap and skips the blocks "
             "across examples)"
         )
+
+
+def _varlen_problem(env: Environment) -> str | None:
+    """Why exp.model.varlen's CUDA kernel cannot run here (None when it can), without importing torch."""
+    import importlib.metadata
+
+    try:
+        major, minor = (int(x) for x in importlib.metadata.version("torch").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return "torch's version is unknown"
+    if (major, minor) < (2, 10):
+        return f"torch {major}.{minor} has no varlen FlashAttention (torch >= 2.10 has)"
+    if env.gpus and min(g.capability for g in env.gpus) < (8, 0):
+        return "FlashAttention needs compute capability >= 8.0"
+    return None
 
 
 def _strategy_name(cfg: TrainConfig) -> str:

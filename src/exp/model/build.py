@@ -22,6 +22,7 @@ from exp.core.config import (
     TrainConfig,
     model_path_problem,
 )
+from exp.model import varlen
 from exp.model.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     # widely copied {0: ""} has them swapped). Model parallelism instead spreads the layers over every visible GPU.
     device_map = layer_device_map(source, cfg) if strategy == Strategy.model_parallel else {"": device}
     storage = dtype if strategy == Strategy.fsdp else None
+    if cfg.model.attn_implementation == varlen.NAME:
+        varlen.register()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
