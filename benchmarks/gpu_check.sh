@@ -28,8 +28,8 @@
 #   multi7b      2 GPUs: benchmarks/multi_gpu.py, the Gemma-7B shape under one GPU, DDP, FSDP and model parallelism
 #                (scaling, FSDP's peak against DDP's, where the weights live); on $EXP_ALPACA when given. Resumable:
 #                called again on the same (warm) machine it keeps the runs that completed (outputs/multi_gpu)
-#   realpf       exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8, $REAL_STEPS (40) steps: baseline,
-#                exp (padding-free, SDPA) and exp with flex_attention, the same steps; then exp on 2048 x 8 random tokens
+#   realpf       exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8, $REAL_STEPS (40) steps: baseline
+#                and exp (padding-free, varlen attention) on the same steps; then exp on 2048 x 8 random tokens
 #   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps, or `again`: the first one
 #                again, on the caches the first run left; default Gemma 3 1B for 20 steps, again, Gemma 2 2B 20, the
 #                7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json (compile time and graph
@@ -188,8 +188,8 @@ run_stage() {
       tar -czf "$OUT/study.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
         --exclude='*.partial' outputs/gpu_study $(cd "$ROOT" && ls -d multirun/study_warmup_* 2>/dev/null) ;;
     realpf)
-      # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, exp with FlexAttention
-      # beside SDPA, and the synthetic 2048 x 8 figure of the same build for the ratio.
+      # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, and the synthetic
+      # 2048 x 8 figure of the same build for the ratio.
       stage realpf 560 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=${REAL_STEPS:-40} warmup=3 \
         variant=baseline variant=exp
       stage synth7b 200 "${BENCH[@]}" steps=12 variant=exp ;;

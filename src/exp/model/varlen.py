@@ -132,7 +132,7 @@ def reference_varlen(q, k, v, cu, scale, window):
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
     bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e == s:
             continue
         qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
