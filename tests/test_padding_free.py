@@ -20,6 +20,7 @@ from exp.data.datamodule import (
     sequence_boundaries,
     shuffled_batches,
 )
+from exp.data.packing import concatenate
 from exp.data.padding_free import (
     PAD_MULTIPLE,
     FlatBatching,
@@ -274,3 +275,19 @@ def test_micro_batch_tokens_below_the_longest_example_is_refused():
 
     with pytest.raises(ConfigError, match=r"hardware.micro_batch_tokens=100 is below data.max_seq_len=128"):
         compose_typed(["hardware.padding_free=true", "hardware.micro_batch_tokens=100"])
+
+
+def test_packed_rows_with_varlen_equal_sdpa_mask():
+    """Packed rows (several rows, each with a padding tail) through varlen attention, whose boundaries span the
+    rows flattened end to end, give the losses of SDPA's block-diagonal mask."""
+    model = tiny_model("gemma3")
+    step = examples()
+    rows = [concatenate(step[:3], IGNORE_INDEX), concatenate(step[3:], IGNORE_INDEX)]
+    batch = collate(rows, pad_id=0)
+    assert batch["cu_seq_lens_q"].tolist()[-1] == batch["input_ids"].numel()
+    with torch.no_grad():
+        ref = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+        varlen.register()
+        model.config._attn_implementation = "varlen"
+        got = model(**batch).loss
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
