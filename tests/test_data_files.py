@@ -180,3 +180,17 @@ def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path, tokenizer):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match=r"not a regular file or a directory \(a pipe, a socket or a device\)"):
         read(fifo, tokenizer)
+
+
+@pytest.mark.parametrize("name", ["set[1].jsonl", "a*b?.jsonl", "[x].json"])
+def test_file_names_with_glob_characters_are_literal(tmp_path, name):
+    """`datasets` reads data_files as glob patterns; exp's checked paths are literal names."""
+    from exp.data.datamodule import _read_files
+
+    rows = [{"instruction": f"say {i}", "input": "", "output": f"number {i}"} for i in range(5)]
+    path = tmp_path / name
+    text = json.dumps(rows) if name.endswith(".json") else "\n".join(json.dumps(r) for r in rows)
+    path.write_text(text)
+    (tmp_path / "set1.jsonl").write_text(json.dumps(rows[0]))  # what `set[1]` would match as a pattern
+    ds = _read_files([path], str(path), "data.path")
+    assert len(ds) == 5 and ds[4]["output"] == "number 4"

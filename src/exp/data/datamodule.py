@@ -9,6 +9,7 @@ examples, for training, `exp.evaluate` and `exp.merge` alike), and batch (padded
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import logging
@@ -154,9 +155,12 @@ def _read_files(files: list[Path], path: str, key: str):
     # CSV goes through pandas, which would keep a UTF-8 byte-order mark in the first column's name.
     options = {"encoding": "utf-8-sig"} if builder == "csv" else {}
 
+    # `datasets` reads data_files as glob patterns: the files are checked paths, so their `[`, `*`, `?` are literal.
+    patterns = [glob.escape(str(f)) for f in files]
+
     def read(**kwargs):
         return datasets.load_dataset(
-            builder, data_files=[str(f) for f in files], split="train", cache_dir=str(_cache("datasets")), **kwargs
+            builder, data_files=patterns, split="train", cache_dir=str(_cache("datasets")), **kwargs
         )
 
     try:
