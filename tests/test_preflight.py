@@ -482,3 +482,17 @@ def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():
     assert kept.dequantized_layers == 3
     whole = check(compose_typed(base[:-1]), env).cfg.hardware  # the whole GPU: every layer fits
     assert whole.dequantized_layers == 28
+
+
+def test_num_nodes_without_a_multi_node_launcher_is_refused(monkeypatch):
+    """Started on one machine, hardware.num_nodes=2 would wait for the other node forever."""
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "MASTER_ADDR", "NODE_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = compose_typed(["hardware=ddp", "hardware.accelerator=cpu", "hardware.num_nodes=2"])
+    result = check(cfg, Environment(torch_cuda=None))
+    (finding,) = [f for f in result.findings if f.key == "hardware.num_nodes"]
+    assert "hardware.num_nodes=1" in finding.message and "forever" in finding.message
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")  # a one-node SLURM job
+    assert any(f.key == "hardware.num_nodes" for f in check(cfg, Environment(torch_cuda=None)).findings)
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    assert not any(f.key == "hardware.num_nodes" for f in check(cfg, Environment(torch_cuda=None)).findings)

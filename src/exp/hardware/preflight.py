@@ -256,6 +256,27 @@ def _version_tuple(v: str | None) -> tuple[int, ...]:
         return ()
 
 
+def _multi_node_problem(num_nodes: int, environ) -> str | None:
+    """Why a run asking for `num_nodes` machines would wait forever here (None when a launcher says how many
+    nodes took part: SLURM, or torchrun's / a cluster's MASTER_ADDR with NODE_RANK or GROUP_RANK)."""
+    slurm = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+    if slurm:
+        if slurm.isdigit() and int(slurm) < num_nodes:
+            return (
+                f"hardware.num_nodes={num_nodes}, but this SLURM job has {slurm} node(s): the run would wait for the "
+                f"missing ones forever. Fix: hardware.num_nodes={slurm}, or ask SLURM for {num_nodes} nodes "
+                "(sbatch --nodes)."
+            )
+        return None
+    if environ.get("MASTER_ADDR") and (environ.get("NODE_RANK") or environ.get("GROUP_RANK")):
+        return None
+    return (
+        f"hardware.num_nodes={num_nodes}, but this process was not started by a multi-node launcher (no SLURM job, "
+        "no MASTER_ADDR with NODE_RANK): started on one machine it would wait for the other nodes forever. Fix: "
+        "hardware.num_nodes=1 here, or launch on every node with torchrun --nnodes / SLURM (docs/hardware.md)."
+    )
+
+
 def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> PreflightResult:
     """Resolve `auto` choices against `env` and list every mismatch between the config and the machine."""
     cfg = copy.deepcopy(cfg)
@@ -270,6 +291,8 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
         hw.accelerator = Accelerator.gpu if visible else Accelerator.cpu
         notes.append(f"hardware=auto: {visible} GPU(s) visible -> accelerator={hw.accelerator.value}")
     on_gpu = hw.accelerator == Accelerator.gpu
+    if hw.num_nodes > 1 and (problem := _multi_node_problem(hw.num_nodes, os.environ)):
+        findings.append(Finding("hardware.num_nodes", problem))
 
     # CUDA's device list is fixed at initialisation; a later CUDA_VISIBLE_DEVICES change is invisible to it.
     if env.cuda_initialized:
