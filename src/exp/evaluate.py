@@ -126,7 +126,7 @@ def score(model: Any, loader: DataLoader, device: torch.device, impl: LossImpl) 
 
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in batch.items()}
         for k, v in batch_response_metrics(model, batch, impl).items():
             sums[k] = sums.get(k, 0) + v.to(torch.float64).cpu()
     loss = float(sums["loss_sum"] / sums["tokens"])

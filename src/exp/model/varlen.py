@@ -3,15 +3,15 @@
 A padding-free micro-batch (exp.data.padding_free) or a packed row holds several examples whose position ids
 restart at 0. SDPA keeps them apart with a dense block-diagonal mask over the whole row: its kernel computes every
 query-key block of the row and masks most of them away, so its cost grows with the row's length squared (on a
-4.8k-token Gemma-7B row, 43% of the step's device time went to it: benchmarks/results/padding_free_h200.md).
+4.8k-token Gemma-7B row, 43% of the step's device time went to it: benchmarks/results/padding_free/README.md).
 torch's FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`) instead takes the examples'
 boundaries (cumulative lengths) and runs each example's causal, optionally sliding-window, attention alone: the
 cost is the sum of the examples' squared lengths, on the flash kernel.
 
 The boundaries come with the batch: `collate` of position-id rows (exp.data.datamodule.sequence_boundaries) adds
 `cu_seq_lens_q` / `cu_seq_lens_k` (int32) and `max_length_q` / `max_length_k` (Python ints, so no host sync in the
-step), transformers' names for them; its models pass them to the attention function untouched. Batches with an attention mask (padded validation, generation)
-take transformers' SDPA path with the SDPA mask instead. Where the CUDA kernel is not available (the CPU), the same
+step), transformers' names for them; its models pass them to the attention function untouched. Batches with an
+attention mask (padded validation, generation) take transformers' SDPA path with the SDPA mask instead. Where the CUDA kernel is not available (the CPU), the same
 boundaries run through SDPA one example at a time: slower, the same math, which the CPU tests check.
 
 No logit softcapping (Gemma 2's attention needs FlexAttention or eager) and no attention dropout.
@@ -38,15 +38,6 @@ def _kernel():
 
 
 VARLEN_ATTN, VARLEN_PARAMS = _kernel()
-
-
-def kernel_problem(capability: tuple[int, int] | None) -> str | None:
-    """Why the CUDA varlen kernel cannot run on a GPU of `capability` (None when it can)."""
-    if VARLEN_ATTN is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10 has)"
-    if capability is not None and capability < (8, 0):
-        return f"FlashAttention needs compute capability >= 8.0, this GPU has {capability[0]}.{capability[1]}"
-    return None
 
 
 def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

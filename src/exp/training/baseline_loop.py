@@ -83,7 +83,7 @@ def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> 
     total = torch.zeros((), dtype=torch.float64, device=model.device)
     count = 0
     for batch in batches:
-        batch = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(model.device) for k, v in batch.items()}
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1].float()
         target = labels[:, 1:]
@@ -186,7 +186,7 @@ def run_baseline(
         batch = batches(i)
         mask = batch.get("attention_mask")
         real_tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
-        batch = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(model.device) for k, v in batch.items()}
         sync()
         t0 = time.perf_counter()
         loss = model(**batch).loss
