@@ -100,13 +100,18 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
 
+def on(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def padded_step(model, step: list[Encoded], micro: int):
     """Per-example mean losses, the step's loss and its gradients from padded micro-batches of `micro` examples."""
+    device = next(model.parameters()).device
     model.zero_grad()
     total = sum(loss_tokens(e) for e in step)
     per_example, step_loss = [], 0.0
     for k in range(0, len(step), micro):
-        batch = collate(step[k : k + micro], pad_id=0)
+        batch = on(collate(step[k : k + micro], pad_id=0), device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         summed = 0
         for row in range(logits.shape[0]):
@@ -123,6 +128,7 @@ def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = 
     """The same from padding-free micro-batches, as exp trains them: `collate_flat` rows (their position ids and
     sequence boundaries), transformers' own loss (`model(**batch).loss`, the mean over the row), re-weighted by
     `step_token_weighted` and divided by the accumulation as Lightning does."""
+    device = next(model.parameters()).device
     model.zero_grad()
     total = sum(loss_tokens(e) for e in step)
     lengths = [len(e.input_ids) for e in step]
@@ -141,6 +147,7 @@ def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = 
             ids = batch["input_ids"]
             inputs = {**sequence_boundaries(torch.arange(ids.shape[1])[None]), "input_ids": ids}
             inputs["position_ids"], inputs["labels"] = torch.arange(ids.shape[1])[None], batch["labels"]
+        batch, inputs = on(batch, device), on(inputs, device)
         out = model(**inputs)
         loss = step_token_weighted(out.loss, batch["labels"], step_tokens, accumulate=parts, world_size=1) / parts
         loss.backward()
