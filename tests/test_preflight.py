@@ -443,17 +443,18 @@ def test_padding_free_token_budget_is_the_most_the_memory_holds():
     assert kept.micro_batch_tokens == 4096
 
 
-def test_padding_free_gemma2_takes_flex_attention_on_a_gpu_only():
+def test_padding_free_gemma2_on_eager_trains_padded_micro_batches_on_a_gpu_only():
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     gpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu"]), env)
-    assert gpu.ok and gpu.cfg.model.attn_implementation == "flex_attention"
-    assert any("model.attn_implementation=flex_attention instead of eager" in n for n in gpu.notes)
-    padded = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
-                                  "hardware.padding_free=false"]), env)  # fmt: skip
-    assert padded.cfg.model.attn_implementation == "eager"
+    assert gpu.ok and gpu.cfg.model.attn_implementation == "eager" and not gpu.cfg.hardware.padding_free
+    assert gpu.cfg.hardware.micro_batch_tokens is None  # no token budget for padded micro-batches
+    assert any("hardware.padding_free=false: Gemma 2's eager attention" in n for n in gpu.notes)
+    flex = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
+                                "model.attn_implementation=flex_attention"]), env)  # fmt: skip
+    assert flex.ok and flex.cfg.hardware.padding_free and flex.cfg.model.attn_implementation == "flex_attention"
     cpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
                                "hardware.accelerator=cpu"]), Environment())  # fmt: skip
-    assert cpu.cfg.model.attn_implementation == "eager"  # FlexAttention has no CPU backward
+    assert cpu.cfg.model.attn_implementation == "eager" and cpu.cfg.hardware.padding_free
 
 
 def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():

@@ -460,10 +460,12 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     position ids, and its kernel computes every block of the row: cost grows with the row's length squared. On a
     GPU with FlashAttention (compute capability >= 8.0, torch >= 2.10) Gemma and Gemma 3 take `varlen` instead
     (exp.model.varlen: each example's attention alone, sliding window included). Eager attention (Gemma 2's, for
-    its logit softcapping, which SDPA and varlen lack) materialises heads x T x T scores; on a GPU such a run
-    takes `flex_attention`: softcapping is its score modifier and the example boundaries its block mask, so
-    blocks across examples are skipped. FlexAttention has no backward on the CPU, so there eager stays, and the
-    CPU keeps SDPA's mask."""
+    its logit softcapping, which SDPA and varlen lack) materialises heads x T x T scores for a row of T tokens,
+    while padded micro-batches hold micro_batch x S x S: a token budget of m x S costs m times the padded batch's
+    scores. So on a GPU Gemma 2 on eager trains padded micro-batches (the same steps, so nothing else changes).
+    `flex_attention` (softcapping as its score modifier, the examples as its block mask) keeps padding-free rows
+    when chosen by hand; it is not chosen for the user because no H200 run has measured it yet. The CPU keeps
+    padding-free rows on either mask (its memory is the host's, and its CPU twin is what the tests run)."""
     packed_rows = cfg.data.packing or cfg.hardware.padding_free
     if not packed_rows or not on_gpu:
         return
@@ -482,11 +484,11 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     if cfg.data.packing:
         return
     if attn == "eager":
-        cfg.model.attn_implementation = "flex_attention"
+        cfg.hardware.padding_free = False
         notes.append(
-            "hardware.padding_free: model.attn_implementation=flex_attention instead of eager (eager would hold "
-            "heads x T x T scores per padding-free row; FlexAttention applies the softcap and skips the blocks "
-            "across examples)"
+            "hardware.padding_free=false: Gemma 2's eager attention would hold heads x T x T scores for each "
+            "padding-free row of T tokens; padded micro-batches make the same steps (model.attn_implementation="
+            "flex_attention keeps padding-free rows, not yet measured on a GPU)"
         )
 
 
