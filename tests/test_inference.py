@@ -200,26 +200,105 @@ def refusals(request, short_run, tmp_path_factory) -> Together:
         "no-adapter": partial(evaluate_without_adapter, short_run.output_dir, tmp_path_factory.mktemp("evaluate")),
     }
     uses = {
-        "merge": ["test_merge_refuses_a_non_empty_out_dir_unless_overwrite"],
+        "merge": ["test_merge_refuses_a_non_empty_out_dir_with_or_without_overwrite"],
         "no-adapter": ["test_run_dir_without_adapter_fails_clearly"],
     }
     with Together(request, steps, uses) as together:
         yield together
 
 
-def test_merge_refuses_a_non_empty_out_dir_unless_overwrite(short_run, refusals, capsys):
+def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file below `root`: its bytes and modification time (what "nothing was touched" compares)."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_merge_refuses_a_non_empty_out_dir_with_or_without_overwrite(short_run, refusals, capsys):
+    """A directory exp.merge did not write is never replaced: overwrite=true is for an earlier merge output only."""
     out, r = refusals.get("merge")
-    tmp_path = out.parent
-    assert r.returncode == 2
-    assert "exp: error:" in r.stderr and "not empty" in r.stderr and "overwrite=true" in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "exp: error:" in r.stderr and "not empty" in r.stderr and "keep.txt" in r.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
     from exp.merge import main
 
-    code, _ = in_process(main, [f"run={short_run.output_dir}", f"out={out}", "overwrite=true", "examples=2"], capsys)
-    assert code == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
-    assert not (tmp_path / ".taken.partial").exists()
+    code, err = in_process(main, [f"run={short_run.output_dir}", f"out={out}", "overwrite=true"], capsys)
+    assert code == 2 and "not an earlier output of exp.merge" in err and f"out={out.parent / 'taken_merged'}" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["taken"]  # no partial checkpoint left beside it
+
+
+@pytest.mark.parametrize("overwrite", [[], ["overwrite=true"]], ids=["plain", "overwrite"])
+def test_merge_never_writes_over_a_training_run(short_run, tmp_path, overwrite, capsys):
+    """out= the run being merged, or another run: refused before anything loads, every file of the run unchanged."""
+    from exp.merge import main
+
+    other = copy_run(short_run.output_dir, tmp_path / "other")
+    (other / "status.json").write_text('{"status": "completed"}')
+    for out in (short_run.output_dir, other):
+        before = files_of(out)
+        code, err = in_process(main, [f"run={short_run.output_dir}", f"out={out}", *overwrite], capsys)
+        assert code == 2 and "holds a training run" in err and "never writes over a run" in err, err
+        assert f"out={out.parent / (out.name + '_merged')}" in err and "Traceback" not in err
+        assert files_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_merge_overwrite_replaces_an_earlier_merge_output_in_one_step(short_run, merged, tmp_path, capsys):
+    from exp.merge import MERGE_MARKER, main
+
+    out = shutil.copytree(merged[0], tmp_path / "model")
+    assert (out / MERGE_MARKER).is_file()
+    (out / "stale.txt").write_text("from the earlier merge")
+    code, err = in_process(main, [f"run={short_run.output_dir}", f"out={out}", "examples=2"], capsys)
+    assert code == 2 and "holds an earlier merged checkpoint" in err and "overwrite=true" in err
+    assert (out / "stale.txt").exists()
+
+    code, err = in_process(main, [f"run={short_run.output_dir}", f"out={out}", "overwrite=true", "examples=2"], capsys)
+    assert code == 0, err
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert json.loads((out / "parity.json").read_text())["examples"] == 2  # the new checkpoint's own report
+    assert json.loads((out / MERGE_MARKER).read_text())["run"] == str(short_run.output_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no partial or replaced copy left beside it
+
+
+def merge_output(path: Path, name: str = "weights") -> Path:
+    from exp.merge import MERGE_MARKER
+
+    path.mkdir(parents=True)
+    (path / MERGE_MARKER).write_text("{}")
+    (path / name).write_text(name)
+    return path
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "moved-aside"])
+def test_a_merge_output_is_installed_whole_and_only_over_its_own_kind(tmp_path, monkeypatch, exchange):
+    """`install`: onto a new or empty directory, or over an earlier merge output (swapped in one rename where the
+    system can, else moved aside first); anything else at `out` by then stops it, the new checkpoint kept."""
+    import exp.merge
+    from exp.merge import MERGE_MARKER, check_out_dir, install
+
+    if not exchange:
+        monkeypatch.setattr(exp.merge, "_exchange", lambda a, b: False)
+    out = merge_output(tmp_path / "out", "old")
+    install(merge_output(tmp_path / ".out.1.partial", "new"), out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["exp_merge.json", "new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    (tmp_path / "empty").mkdir()
+    install(merge_output(tmp_path / ".empty.1.partial"), tmp_path / "empty", overwrite=False)
+    assert (tmp_path / "empty" / "weights").exists()
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "status.json").write_text('{"status": "completed"}')
+    (run / MERGE_MARKER).write_text("{}")  # a marker does not make a run replaceable
+    partial = merge_output(tmp_path / ".run.1.partial")
+    with pytest.raises(ConfigError, match=f"holds a training run .*kept in {partial}"):
+        install(partial, run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "exp_merge.json", "status.json"]
+    with pytest.raises(ConfigError, match="exists and is a file"):
+        check_out_dir(str(run / "status.json"), overwrite=True)
+    assert check_out_dir(str(tmp_path / "new"), overwrite=False) == tmp_path / "new"
 
 
 def test_run_dir_without_adapter_fails_clearly(refusals):

@@ -19,12 +19,16 @@ The proof, printed and saved as `<out>/parity.json`, on the run's held-out examp
 - quantized_vs_merged: the model that trained (4-bit base + adapter) vs the merged model: KL divergence per
   response token, both perplexities, top-1 agreement. Nonzero by the 4-bit quantization error of the base.
 
-An existing non-empty `out` is refused unless `overwrite=true`; the checkpoint is written beside it first and
-moved into place only once complete.
+Nothing written is lost: every merge output is marked (`exp_merge.json`), and a non-empty `out` is replaced only
+when it carries that mark and `overwrite=true` is given; a training run, or any other directory with files in it, is
+refused either way. The checkpoint is written beside `out` first and moved into place only once complete, over an
+earlier output in one step.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import math
 import os
@@ -42,7 +46,7 @@ from exp.core.config import ConfigError, TrainConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.data.datamodule import build_splits, collate
 from exp.model.build import compute_dtype
-from exp.run.dirs import write_json
+from exp.run.dirs import ADAPTER_DIR, CHECKPOINT_DIR, CONFIG_FILE, STATUS_FILE, SUMMARY_FILE, write_json
 from exp.run.inference import (
     MODEL_PATH_HELP,
     RUN_KEYS,
@@ -80,18 +84,85 @@ TOOL = Tool(
 MERGE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
 
 
+# In every directory exp.merge writes: what `overwrite=true` may replace.
+MERGE_MARKER = "exp_merge.json"
+# What a training run's directory holds (exp.run.dirs): a directory with any of them is never written over.
+RUN_FILES = (STATUS_FILE, CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, ADAPTER_DIR)
+
+
 def check_out_dir(out: str | None, overwrite: bool) -> Path:
+    """The resolved `out`: a new or empty directory, or (with `overwrite=true`) an earlier merge output. Anything
+    else with files in it is refused, with overwrite or without: a training run above all."""
     if not out:
         raise ConfigError("exp.merge: say where the merged checkpoint goes: out=<new directory>")
     path = Path(out).expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"out={out}: exists and is a file. Pass a directory path.")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    entries = sorted(p.name + "/" * p.is_dir() for p in path.iterdir()) if path.is_dir() else []
+    if not entries:
+        return path
+    given = Path(out).expanduser()
+    beside = _beside(given if given.name else path)  # a free directory to suggest, written as `out` was
+    run_files = [e for e in entries if e.rstrip("/") in RUN_FILES]
+    if run_files:
         raise ConfigError(
-            f"out={out}: the directory exists and is not empty; nothing was written. Pick a new directory, or pass "
-            "overwrite=true to replace its contents."
+            f"out={out}: the directory holds a training run ({', '.join(run_files)}), and exp.merge never writes over "
+            "a run, with overwrite=true or without; nothing was written. Pick a new directory for the merged "
+            f"checkpoint, e.g. out={beside}."
+        )
+    if not (path / MERGE_MARKER).is_file():
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ConfigError(
+            f"out={out}: the directory exists and is not empty ({shown}), and it is not an earlier output of exp.merge "
+            f"(no {MERGE_MARKER}), so it is not replaced, with overwrite=true or without; nothing was written. Pick a "
+            f"new or empty directory, e.g. out={beside}."
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"out={out}: the directory holds an earlier merged checkpoint ({MERGE_MARKER}); nothing was written. Pick "
+            "a new directory, or pass overwrite=true to replace that checkpoint."
         )
     return path
+
+
+def _beside(path: Path) -> Path:
+    """`<path>_merged`, or the first `<path>_mergedN` (N = 2, 3, ...) that does not exist."""
+    names = (f"{path.name}_merged{n if n > 1 else ''}" for n in range(1, 10_000))
+    return next(p for name in names if not (p := path.with_name(name)).exists())
+
+
+def install(partial: Path, out: Path, overwrite: bool) -> None:
+    """Put the complete checkpoint in `partial` at `out`. A new or empty `out` is renamed onto; an earlier merge
+    output is swapped with `partial` in one step where the system can (Linux's renameat2), else moved aside first,
+    and removed once the new checkpoint is in place, so `out` never holds half of one. `out` is checked again: the
+    merge took a while, and something else may have been written there since."""
+    try:
+        check_out_dir(str(out), overwrite)
+    except ConfigError as e:
+        raise ConfigError(f"{e} The merged checkpoint is kept in {partial}.") from None
+    if not out.is_dir() or not any(out.iterdir()):
+        os.replace(partial, out)  # onto an empty directory too
+        return
+    if not _exchange(partial, out):
+        aside = out.with_name(f".{out.name}.{os.getpid()}.replaced")
+        os.replace(out, aside)
+        os.replace(partial, out)
+        partial = aside
+    shutil.rmtree(partial)  # now the earlier merge output
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one rename (renameat2 with RENAME_EXCHANGE); False where the system has none."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EXDEV):
+        return False  # not supported here (an old kernel, some file systems): the caller moves the old one aside
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
 
 
 def heldout_batches(cfg: TrainConfig, tokenizer: Any, n: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -216,9 +287,8 @@ def merge(argv: list[str]) -> dict[str, Any]:
         "seconds": round(time.time() - started, 1),
     }
     write_json(partial / "parity.json", report)
-    if out.exists():  # empty, or overwrite=true
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    write_json(partial / MERGE_MARKER, {"tool": "exp.merge", "run": str(run_dir), "weights": report["weights"]})
+    install(partial, out, args["overwrite"])
     print_report(report)
     if not report["ok"]:
         raise SystemExit(
