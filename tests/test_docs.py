@@ -306,12 +306,13 @@ CHECKS = {
 }
 
 
-# Refusals that need what an earlier command left (a sweep directory holding another study, a finished run) or a
-# launch (the `gpus` launcher's check of the machine): not reproducible from the command alone; the test named
-# creates the state and checks the message.
+# Refusals that need what an earlier command left (a sweep directory holding another study, a finished run, a
+# directory of something else) or a launch (the `gpus` launcher's check of the machine): not reproducible from the
+# command alone; the test named creates the state and checks the message.
 STATEFUL = {
     "already holds a job": "tests/test_sweeps.py",
     "never writes over a run": "tests/test_inference.py",
+    "not an exp run's": "tests/test_run_dirs.py",
     "runs each job on a GPU of its own": "tests/test_sweeps.py",
 }
 

@@ -268,3 +268,77 @@ def test_the_sweep_config_names_jobs_through_the_resolver():
     with open_dict(cfg):
         cfg.hydra.job.num, cfg.hydra.job.override_dirname = 7, long
     assert cfg.hydra.sweep.subdir == sweep_job_dir_name(7, long) != f"7_{long}"
+
+
+def foreign_dir(path: Path) -> dict[str, bytes]:
+    """A directory of something else than an exp run, with files of the names a run writes; its files' bytes."""
+    (path / "data").mkdir(parents=True)
+    (path / "config.yaml").write_text("my: own config\n")
+    (path / "notes.txt").write_text("keep me\n")
+    (path / "data" / "a.jsonl").write_text('{"x": 1}\n')
+    return tree(path)
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_directory_that_is_not_an_exp_run_is_never_claimed(tmp_path):
+    from exp import train
+    from exp.run.dirs import claim_run_dir
+    from exp.run.overrides import check_command_line
+
+    mine = tmp_path / "mine"
+    before = foreign_dir(mine)
+    with pytest.raises(ConfigError) as info:
+        claim_run_dir(mine)
+    message = str(info.value)
+    assert message.startswith(f"hydra.run.dir={mine}: the directory exists and holds files that are not an exp run's")
+    assert "(config.yaml, data/, notes.txt)" in message and f"hydra.run.dir={mine / 'run'}" in message
+    conf = str(Path(train.__file__).resolve().parents[2] / "conf")
+    problems, _ = check_command_line([f"hydra.run.dir={mine}"], train.__file__, conf, "train")
+    assert problems == [message]  # refused before Hydra starts, with the same paragraph
+    with pytest.raises(ConfigError, match="not an exp run's"):
+        train.run(["logger=none"], output_dir=mine)
+    assert tree(mine) == before
+
+    # The ranks of one torchrun launch share a directory: another rank's files are a run's, anything else is not.
+    shared = fake_run(tmp_path / "shared", status="running")
+    (shared / "status.json").unlink()
+    (shared / "train.log").write_text("rank 0\n")
+    problems, _ = check_command_line([f"hydra.run.dir={shared}"], train.__file__, conf, "train", launch="torchrun-1")
+    assert problems == []
+    problems, _ = check_command_line([f"hydra.run.dir={mine}"], train.__file__, conf, "train", launch="torchrun-1")
+    assert problems and "not an exp run's" in problems[0]
+
+
+def test_a_run_dir_may_be_new_empty_an_exp_run_or_a_claim_in_progress(tmp_path):
+    from exp.run.dirs import claim_run_dir
+
+    (tmp_path / "empty").mkdir()
+    assert claim_run_dir(tmp_path / "empty") == tmp_path / "empty"
+    (tmp_path / "claiming").mkdir()
+    (tmp_path / "claiming" / ".lock").touch()  # another launch took the lock and has not written its status yet
+    (tmp_path / "claiming" / ".status.json.77.tmp").touch()
+    assert claim_run_dir(tmp_path / "claiming") == tmp_path / "claiming"
+    done = fake_run(tmp_path / "done", status="completed")
+    foreign_dir(tmp_path / "done_1")  # beside the named directory: passed over, not refused, not written
+    assert claim_run_dir(done) == tmp_path / "done_2"
+    assert sorted(p.name for p in (tmp_path / "done_1").iterdir()) == ["config.yaml", "data", "notes.txt"]
+    assert status_of(done) == "completed"
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_foreign_run_dir_and_writes_nothing_there(tmp_path):
+    before = foreign_dir(tmp_path / "project")
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", "logger=none", "hydra.run.dir=project"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("exp: error: hydra.run.dir=project: the directory exists and holds files")
+    assert "hydra.run.dir=project/run" in proc.stderr
+    assert tree(tmp_path / "project") == before and sorted(p.name for p in tmp_path.iterdir()) == ["project"]

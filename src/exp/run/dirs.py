@@ -1,5 +1,5 @@
-"""Run directories: claimed fresh (an earlier run's files are never overwritten), locked while in use, marked with
-their status.
+"""Run directories: claimed fresh (an earlier run's files are never overwritten, nor a directory's that is not an
+exp run's), locked while in use, marked with their status.
 
 A process holds an exclusive lock (`flock`) on the `.lock` file of its run directory for as long as it runs, and on
 the run it continues: `trainer.resume` never picks a run that is running now or being continued by another
@@ -39,6 +39,25 @@ ADAPTER_DIR = "adapter"  # the final adapter in PEFT's format, and the tokenizer
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 METRICS_CSV = "csv/metrics.csv"
+WANDB_DIR = "wandb"  # W&B's offline runs
+# What a run's directory holds before its status.json: the lock its claim takes first, and Hydra's log and record of
+# a sweep job (Hydra's launcher makes a job's directory and opens its log before the job claims it).
+BEFORE_STATUS = (LOCK_FILE, LOG_FILE, HYDRA_DIR)
+# Every name a run writes at its top level: what one rank may find that another rank of its launch wrote.
+RUN_ENTRIES = (
+    *BEFORE_STATUS,
+    CONFIG_FILE,
+    STATUS_FILE,
+    SUMMARY_FILE,
+    MANIFEST_FILE,
+    RESUME_RECORD,
+    JOB_RECORD,
+    SAMPLES_FILE,
+    ADAPTER_DIR,
+    CHECKPOINT_DIR,
+    METRICS_CSV.split("/")[0],
+    WANDB_DIR,
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,30 @@ class RunLayout:
     def is_run(self) -> bool:
         """Holds a run's record (its status, or Hydra's record of a job that never got further)."""
         return self.status.exists() or self.hydra.exists()
+
+
+def foreign_entries(path: Path, own: tuple[str, ...] = BEFORE_STATUS) -> list[str]:
+    """What the directory `path` holds that is not an exp run's, by name (`dir/` for a directory): [] when it does not
+    exist, is empty, holds a run (its status.json), or holds only names in `own` and the temporary files of exp's
+    atomic writes (`.<name>.<pid>.tmp`)."""
+    if not path.is_dir() or (path / STATUS_FILE).exists():
+        return []
+    return sorted(
+        e.name + "/" * e.is_dir()
+        for e in path.iterdir()
+        if e.name not in own and not (e.name.startswith(".") and e.name.endswith(".tmp"))
+    )
+
+
+def foreign_dir_message(key: str, path: Path, entries: list[str]) -> str:
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    inside = next(p for n in range(1, 10_000) if not (p := path / ("run" if n == 1 else f"run_{n}")).exists())
+    return (
+        f"{key}={path}: the directory exists and holds files that are not an exp run's ({shown}). A run writes "
+        "config.yaml, train.log, checkpoints/ and more into its directory, which would overwrite files of those names, "
+        f"so nothing was written. Fix: pass a new or empty directory, e.g. {key}={inside}; to continue an exp run, "
+        "pass trainer.resume=<its run directory> (the continuation gets a directory of its own)."
+    )
 
 
 NAME_MAX_BYTES = 255  # the longest file name Linux and macOS file systems take
@@ -218,11 +261,19 @@ def claim_run_dir(path: Path) -> Path:
     """`path`, or `path_1`, `path_2`, ...: the first that no run has used (no status.json) and that no other process
     is claiming, created and locked by this process, its status `running`. Atomic: two processes that claim the same
     path at the same moment get different directories. A directory this process claimed already is returned as is.
+    A `path` that holds files of something else than an exp run is refused (ConfigError), nothing written there; a
+    `path_N` that does is passed over.
     """
     candidate, n = path, 0
     while True:
         if candidate.resolve() in _held:
             return candidate
+        if entries := foreign_entries(candidate):
+            if candidate == path:
+                raise ConfigError(foreign_dir_message("hydra.run.dir", path, entries))
+            n += 1
+            candidate = path.with_name(f"{path.name}_{n}")
+            continue
         made = [d for d in (candidate, *candidate.parents) if not d.exists()]
         try:
             candidate.mkdir(parents=True, exist_ok=True)

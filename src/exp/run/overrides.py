@@ -4,7 +4,8 @@ Hydra already rejects an unknown key (`lora.rank=16`), but its message names nei
 nearest one; `check_cli_overrides` walks the dataclass schema and says both. `check_command_line` (what
 `python -m exp.train` runs first) then composes the config as Hydra will and refuses what composition lets
 through: keys the schema lacks (`+foo=1`), callables outside the allow-list (exp.run.security), a run directory that
-cannot be created. Composition errors come out as one `exp: error:` paragraph, without Hydra's search-path dump.
+cannot be created or that holds files of something else than an exp run. Composition errors come out as one
+`exp: error:` paragraph, without Hydra's search-path dump.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from exp.core.cli import flag_value, not_key_value, unknown_flag
 from exp.core.config import ConfigError, TrainConfig, config_key, schema_fields
 from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import SECRET_NAME, secret_value_problems
-from exp.run.dirs import STATUS_FILE, claim_run_dir, read_status
+from exp.run.dirs import (
+    BEFORE_STATUS,
+    RUN_ENTRIES,
+    STATUS_FILE,
+    claim_run_dir,
+    foreign_dir_message,
+    foreign_entries,
+    read_status,
+)
 from exp.run.security import REDACTED, secret_values, target_problems
 
 # Settings people look for under a key that exp derives from, or keeps under, another one.
@@ -211,6 +220,11 @@ def check_command_line(
     run_dir = _resolved(configs[0], key)
     if run_dir is not None:
         problems += run_dir_problems(key, run_dir)
+        # A run never writes into a directory of something else. The ranks of a launch share theirs: one may find
+        # any of a run's files that another rank wrote.
+        own = BEFORE_STATUS if launch is None else RUN_ENTRIES
+        if mode == RunMode.RUN and (entries := foreign_entries(run_dir, own)):
+            problems.append(foreign_dir_message(key, run_dir, entries))
     problems = list(dict.fromkeys(problems))  # each sweep choice repeats the problems of the others
     if problems or mode == RunMode.MULTIRUN or run_dir is None:
         return problems, argv
