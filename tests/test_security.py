@@ -263,7 +263,7 @@ def test_a_disallowed_target_on_the_command_line_is_refused_before_it_runs(tmp_p
     assert proc.returncode == 2, proc.stderr
     message = proc.stderr
     assert "hydra.callbacks.evil._target_=os.makedirs" in message  # the key and the value
-    assert "~hydra.callbacks.evil" in message and "exp.*" in message  # the fix and what is allowed
+    assert "~hydra.callbacks.evil" in message and "exp.run.security.RunRecord" in message  # the fix, what is allowed
     assert "Traceback" not in message
     assert not marker.exists() and not (tmp_path / "outputs").exists()
 
@@ -327,7 +327,7 @@ HOSTILE = [
     (["hydra.job_logging.handlers.console.stream=ext://antigravity"], "ext://antigravity"),
     (["hydra.job_logging.handlers.file.filename=/tmp/elsewhere.log"], "inside the run directory"),
     (["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/../x.log"], "inside the run directory"),
-    (["hydra.job.name=../../outside"], "hydra.job.name=../../outside"),
+    (["hydra.job.name=a/b"], "hydra.job.name=a/b"),
     # Hydra's own record holds overrides verbatim: exp writes it, redacted.
     (["hydra.output_subdir=.hydra"], "secrets included"),
     # The Optuna sweeper calls a search-space function by name.
@@ -416,6 +416,228 @@ def test_a_logging_handler_outside_logging_is_refused(tmp_path: Path, monkeypatc
         ["hydra.job_logging.handlers.console.class=os.system"], TRAIN_PY, str(CONF_DIR), "train"
     )
     assert len(problems) == 1 and "hydra.job_logging.handlers.console.class=os.system" in problems[0]
+
+
+# --- after interpolation: what Hydra will build once `${...}` is resolved (issue #25) --------------------------
+
+
+def _problems(argv: list[str]) -> list[str]:
+    return check_command_line(argv, TRAIN_PY, str(CONF_DIR), "train")[0]
+
+
+def _yaml_dir(root: Path, text: str, name: str = "evil") -> Path:
+    """A config directory with `experiment/<name>.yaml` (a global package) holding `text`."""
+    (root / "experiment").mkdir(parents=True, exist_ok=True)
+    (root / "experiment" / f"{name}.yaml").write_text("# @package _global_\n" + text)
+    return root
+
+
+# A resolver that makes a node (`oc.create`, `oc.decode`) makes a `_target_` or a logging factory the unresolved
+# config does not show. Each row: the overrides, the key the message must name.
+MADE_BY_A_RESOLVER = [
+    (["+hydra.callbacks.x='${oc.create:{_target_: os.makedirs, name: made}}'"], "hydra.callbacks.x._target_"),
+    (["+hydra.callbacks.x=\"${oc.decode:'{_target_: os.symlink, src: a, dst: b}'}\""], "hydra.callbacks.x._target_"),
+    # The callback node is written, its target made.
+    (["+hydra.callbacks.x._target_='${oc.decode:os.system}'"], "hydra.callbacks.x._target_"),
+    # An allowed name is refused too when an interpolation makes it: the check reads names as written.
+    (["+hydra.callbacks.x='${oc.create:{_target_: exp.run.sweep.SweepStatus}}'"], "hydra.callbacks.x._target_"),
+    (["+hydra.launcher.inner='${oc.create:{_target_: os.makedirs, name: made}}'"], "hydra.launcher.inner._target_"),
+    (["+model.arch.x='${oc.create:{_target_: os.system}}'"], "model.arch.x._target_"),
+    (["+hydra.job_logging.formatters.f='${oc.create:{class: exp.train.os.system}}'"], "formatters.f.class"),
+    # A logging value that only resolution shows.
+    (["hydra.job_logging.handlers.console.stream='${oc.decode:ext://antigravity}'"], "ext://antigravity"),
+]
+
+
+@pytest.mark.parametrize(("argv", "key"), MADE_BY_A_RESOLVER, ids=[a[0][:70] for a, _ in MADE_BY_A_RESOLVER])
+def test_a_target_made_by_a_resolver_on_the_command_line_is_refused(tmp_path, monkeypatch, argv, key):
+    monkeypatch.chdir(tmp_path)
+    problems = _problems(argv)
+    assert len(problems) == 1 and key in problems[0], problems
+    assert "Nothing has been run" in problems[0] and "Fix:" in problems[0]
+    assert not (tmp_path / "made").exists()
+
+
+@pytest.mark.parametrize("route", ["config-dir", "searchpath"])
+@pytest.mark.parametrize(
+    "yaml",
+    [
+        "hydra:\n  callbacks:\n    evil: '${oc.create:{_target_: os.makedirs, name: made}}'\n",
+        "hydra:\n  callbacks:\n    evil: \"${oc.decode:'{_target_: os.makedirs, name: made}'}\"\n",
+        "hydra:\n  job_logging:\n    handlers:\n      file: '${oc.create:{class: logging.FileHandler, filename: ../v}}'\n",
+    ],
+    ids=["oc.create", "oc.decode", "logging-handler"],
+)
+def test_a_target_made_by_a_resolver_in_a_yaml_file_is_refused(tmp_path, monkeypatch, yaml: str, route: str):
+    monkeypatch.chdir(tmp_path)
+    config_dir = _yaml_dir(tmp_path / "conf", yaml)
+    where = ["--config-dir", str(config_dir)] if route == "config-dir" else [f"hydra.searchpath=[file://{config_dir}]"]
+    problems = _problems([*where, "experiment=evil"])
+    key = "hydra.callbacks.evil._target_=os.makedirs" if "callbacks" in yaml else "handlers.file.class"
+    assert problems and key in problems[0] and "interpolation" in problems[0], problems
+    if "job_logging" in yaml:  # the file it would open is refused as well
+        assert len(problems) == 2 and "resolves to" in problems[1]
+
+
+# A log file name is checked as Hydra resolves it; each row leaves the run directory by a route the written name
+# does not show.
+LOG_FILE_ESCAPES = [
+    ["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/${oc.decode:'\"../../../v.log\"'}"],
+    ["hydra.job_logging.handlers.file.filename=${hydra:runtime.output_dir}/${oc.env:UP_THREE}/v.log"],
+    ["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/${hydra.job.name}.log", "hydra.job.name=x"],
+    ["hydra.run.dir=old", "hydra.job_logging.handlers.file.filename=old/train.log"],  # a run moved to old_1
+    ["hydra.job_logging.handlers.file.filename=${oc.env:HOME}/v.log"],
+    ["hydra.job_logging.handlers.file.filename=v.log"],  # relative to the launch directory
+    ["-m", "lora.r=4,8", "hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/../1/v.log"],
+    ["+hydra.hydra_logging.handlers.f='${oc.create:{class: logging.StreamHandler, filename: /tmp/v.log}}'"],
+]
+
+
+@pytest.mark.parametrize("argv", LOG_FILE_ESCAPES, ids=[a[-1][-60:] for a in LOG_FILE_ESCAPES])
+def test_a_log_file_is_checked_after_resolution(tmp_path, monkeypatch, argv: list[str]):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("UP_THREE", "../../..")
+    if "hydra.job.name=x" in argv:  # the name reaches `..` only through the job name
+        argv = [argv[0], "hydra.job.name=${oc.decode:'\"../../../v\"'}"]
+    problems = [p for p in _problems(argv) if "a log file must be inside the run directory" in p]
+    assert len(problems) == 1, problems
+    assert "resolves to" in problems[-1] and "${hydra.runtime.output_dir}/train.log" in problems[-1]
+
+
+def test_a_log_file_through_a_link_out_of_the_run_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "out").symlink_to(tmp_path / "elsewhere")
+    name = "${hydra.runtime.output_dir}/out/v.log"
+    problems = _problems(["hydra.run.dir=run", f"hydra.job_logging.handlers.file.filename={name}"])
+    assert any("by a symbolic link" in p and str(tmp_path / "elsewhere" / "v.log") in p for p in problems), problems
+
+
+def test_log_files_inside_the_run_directory_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/logs/../${hydra.job.name}.log"],
+        ["hydra.job_logging.handlers.file.filename=${hydra:runtime.output_dir}/a.log"],
+        ["hydra.job.chdir=true", "hydra.job_logging.handlers.file.filename=train.log"],
+        ["-m", "lora.r=4,8", "hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/x.log"],
+    ):
+        assert _problems(argv) == [], argv
+
+
+def test_only_the_named_exp_classes_may_be_instantiated(tmp_path, monkeypatch):
+    """exp's code is named by an explicit list: a class of exp's that would be made with the config's arguments
+    (here a callback's nested `_target_`, made before the callback) is refused, and so is a Hydra callback defined
+    under exp that the list does not name."""
+    from hydra.experimental.callback import Callback
+
+    import exp.run.sweep
+
+    monkeypatch.chdir(tmp_path)
+    nested = "+hydra.callbacks.sweep_status.inner._target_=exp.run.dirs.RunLayout"
+    problems = _problems([nested, "+hydra.callbacks.sweep_status.inner.run_dir=elsewhere"])
+    assert len(problems) == 1 and "exp.run.dirs.RunLayout, which is not on exp's list" in problems[0], problems
+    assert "nothing may be named there" in problems[0]
+    unlisted = type("Unlisted", (Callback,), {"__module__": "exp.run.sweep"})
+    monkeypatch.setattr(exp.run.sweep, "Unlisted", unlisted, raising=False)
+    problems = _problems(["+hydra.callbacks.x._target_=exp.run.sweep.Unlisted"])
+    assert len(problems) == 1 and "exp.run.sweep.Unlisted, which is not on exp's list" in problems[0], problems
+    assert "exp.run.sweep.SweepStatus, exp.run.security.RunRecord" in problems[0]
+    problems = _problems(["-m", "hydra/sweeper=optuna", "hydra.sweeper.custom_search_space=exp.run.dirs.write_json"])
+    assert len(problems) == 1 and "exp defines none" in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    ("argv", "how"),
+    [
+        (["~hydra.callbacks.run_record"], "it is missing"),
+        (["hydra.callbacks.run_record._target_=exp.run.sweep.SweepStatus"], "it is missing"),
+        (["+hydra.callbacks.later._target_=exp.run.sweep.SweepStatus"], "hydra.callbacks.later comes after it"),
+        (["+hydra.callbacks.run_record._partial_=true"], "holds more than _target_"),
+        (["hydra.callbacks.run_record='${oc.create:{_target_: exp.run.security.RunRecord}}'"], "interpolation"),
+    ],
+    ids=["removed", "replaced", "followed", "partial", "made"],
+)
+def test_run_record_cannot_be_removed(tmp_path, monkeypatch, argv: list[str], how: str):
+    monkeypatch.chdir(tmp_path)
+    problems = _problems(argv)
+    assert problems and how in "\n".join(problems), problems
+    assert "hydra.callbacks.run_record: exp's callback exp.run.security.RunRecord must be the last" in problems[-1]
+    # From YAML files: a primary config can remove it; an experiment (merged before conf/train.yaml's own values)
+    # cannot, but naming it first moves it ahead of sweep_status.
+    config_dir = _yaml_dir(tmp_path / "conf", "hydra:\n  callbacks:\n    run_record: null\n")
+    (config_dir / "mine.yaml").write_text(
+        "defaults:\n  - train\n  - _self_\nhydra:\n  callbacks:\n    run_record: null\n"
+    )
+    problems = _problems(["--config-dir", str(config_dir), "--config-name", "mine"])
+    assert len(problems) == 1 and "it is missing" in problems[0]
+    problems = _problems(["--config-dir", str(config_dir), "experiment=evil"])
+    assert len(problems) == 1 and "hydra.callbacks.sweep_status comes after it" in problems[0]
+    # Renamed, it is still RunRecord, last.
+    assert _problems(["~hydra.callbacks.run_record", "+hydra.callbacks.rr._target_=exp.run.security.RunRecord"]) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["lora.r=${oc.env:EXP_TEST_UNSET}"],
+        ["lora.r=${lora.alpha}", "lora.alpha=${lora.r}"],
+        ["lora.r=${oc.decode:'[1'}"],
+    ],
+    ids=["unset variable", "cycle", "bad decode"],
+)
+def test_an_unresolvable_interpolation_is_one_paragraph(tmp_path, monkeypatch, argv: list[str]):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EXP_TEST_UNSET", raising=False)
+    problems = _problems(argv)
+    assert len(problems) == 1 and "\n" not in problems[0] and "the interpolation cannot be resolved" in problems[0]
+    assert problems[0].startswith(argv[0].lstrip("+").split("=")[0])
+
+
+def test_a_sweep_is_checked_as_its_jobs_read_it(tmp_path, monkeypatch):
+    """A sweep's params become each job's overrides: a file they select, and Hydra settings they set, reach the
+    jobs only."""
+    monkeypatch.chdir(tmp_path)
+    _yaml_dir(tmp_path / "conf", "hydra:\n  job_logging:\n    handlers:\n      file:\n        filename: /tmp/v.log\n")
+    grid = "defaults:\n  - train\n  - _self_\nhydra:\n  sweeper:\n    params:\n"
+    (tmp_path / "conf" / "grid.yaml").write_text(grid + "      experiment: guanaco_7b,evil\n")
+    (tmp_path / "conf" / "hydra_param.yaml").write_text(grid + "      hydra.job.env_set.X: a,b\n")
+    base = ["-m", "--config-dir", str(tmp_path / "conf"), "--config-name"]
+    problems = _problems([*base, "grid"])
+    assert len(problems) == 1 and "filename=/tmp/v.log" in problems[0], problems
+    problems = _problems([*base, "hydra_param"])
+    assert len(problems) == 1 and "hydra.sweeper.params.hydra.job.env_set.X=a,b" in problems[0], problems
+
+
+def test_help_configures_logging_so_it_is_checked(tmp_path, monkeypatch):
+    """--help and --hydra-help configure logging from the config before they print."""
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--help", "--hydra-help"):
+        problems = _problems([flag, "hydra.hydra_logging.handlers.console.class=logging.FileHandler", "+x=1"])
+        assert problems == [], problems  # composition fails (+x): Hydra fails the same way, before logging
+        problems = _problems([flag, "+hydra.hydra_logging.handlers.console.filename=/tmp/v.log"])
+        assert len(problems) == 1 and "a log file must be inside the run directory" in problems[0]
+
+
+def test_nothing_injected_runs_through_the_cli(tmp_path: Path):
+    """The reported routes, through the real CLI: a callback made by oc.create would make a directory, a FileHandler
+    made from a YAML file would empty a file three levels up. Refused, exit 2, no traceback, nothing touched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept")
+    launch = tmp_path / "a" / "b"
+    launch.mkdir(parents=True)
+    config_dir = _yaml_dir(
+        launch / "conf",
+        "hydra:\n  job_logging:\n    handlers:\n      file:\n        class: logging.FileHandler\n        mode: w\n"
+        "        filename: ${hydra.runtime.output_dir}/${oc.decode:'\"../../../victim.txt\"'}\n",
+    )
+    made = tmp_path / "made"
+    args = ["--config-dir", str(config_dir), "experiment=evil", "hydra.run.dir=run"]
+    proc = _cli(launch, *args, f"+hydra.callbacks.x='${{oc.create:{{_target_: os.makedirs, name: {made}}}}}'")
+    assert proc.returncode == 2, proc.stderr
+    assert "hydra.callbacks.x._target_=os.makedirs" in proc.stderr and "resolves to ../../victim.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert victim.read_text() == "kept" and not made.exists() and not (launch / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,15 @@ def check_command_line(
             "--experimental-rerun: exp does not re-run pickled configs (unpickling a file can run any code). Run the "
             "overrides again instead: they are in <run dir>/.hydra/overrides.yaml."
         )
-    if problems or args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+    if problems:
+        return problems, argv
+    if args.help or args.hydra_help:  # they print, but configure logging from the config first
+        try:
+            configs = _compose_all(args, caller, config_path, config_name, RunMode.RUN)
+        except Exception:  # noqa: BLE001 (Hydra fails on it the same way, before it configures anything)
+            return [], argv
+        return list(dict.fromkeys(p for cfg in configs for p in target_problems(cfg))), argv
+    if args.cfg or args.info or args.shell_completion:
         return problems, argv  # the modes that only print compose and instantiate nothing
     mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
     try:
@@ -210,9 +218,9 @@ def check_command_line(
         return [composition_error(error, args.overrides)], argv
 
     for cfg in configs:
+        problems += target_problems(cfg, multirun=mode == RunMode.MULTIRUN)
         record = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
         assert isinstance(record, dict)
-        problems += target_problems(record)
         record.pop("hydra")
         problems += unknown_keys(record)
         problems += _secret_value_problems(cfg, record)
@@ -268,7 +276,8 @@ def config_loader(args: Any, caller: str, config_path: str) -> Any:
 
 def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mode: Any) -> list:
     """The config Hydra will compose (as `_run_hydra` builds it), plus one per choice of a swept config group
-    (`experiment=a,b`): the files a sweep selects are instantiated from too."""
+    (`experiment=a,b`, on the command line or in `hydra.sweeper.params`): the files a sweep selects are read by its
+    jobs too (their logging, their record)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import MissingConfigException
     from hydra.types import RunMode
@@ -279,9 +288,11 @@ def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mod
     def compose(overrides: list[str]):
         cfg = loader.load_configuration(config_name=name, overrides=overrides, run_mode=mode, from_shell=True)
         # An `optional` group (experiment) skips an option it cannot find: a misspelt experiment would run the
-        # default config.
+        # default config. The options are those of the repository this composition read (`hydra.searchpath` adds
+        # directories to it).
+        _, repo = loader._parse_overrides_and_create_caching_repo(name, overrides)
         for group, option in cfg.hydra.runtime.choices.items():
-            if isinstance(option, str) and option not in (options := loader.get_group_options(group)):
+            if isinstance(option, str) and option not in (options := repo.get_group_options(group)):
                 raise MissingConfigException(
                     f"no {group}/{option}", missing_cfg_file=f"{group}/{option}", options=options
                 )
@@ -289,12 +300,21 @@ def _compose_all(args: Any, caller: str, config_path: str, config_name: str, mod
 
     configs = [compose(args.overrides)]
     if mode == RunMode.MULTIRUN:
-        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        # As the basic sweeper reads them: the params first, then the command line's overrides.
+        parser = OverridesParser.create()
+        params = OmegaConf.select(configs[0], "hydra.sweeper.params", default=None) or {}
+        try:
+            swept = [f"{k}={v}" for k, v in params.items()]
+            parsed = parser.parse_overrides(swept)
+        except Exception:  # noqa: BLE001 (a sweeper's own syntax: its groups, if any, are not enumerable here)
+            swept, parsed = [], []
+        swept += args.overrides
+        parsed += parser.parse_overrides(args.overrides)
         for i, override in enumerate(parsed):
             if not override.is_sweep_override() or "." in override.key_or_group:
                 continue  # a swept value (lora.r=4,8) selects no file
-            others = [o for j, o in enumerate(args.overrides) if j != i]
-            prefix = args.overrides[i].split("=", 1)[0]
+            prefix = swept[i].split("=", 1)[0]
+            others = [o for o in args.overrides if o.split("=", 1)[0] != prefix]
             try:
                 choices = list(override.sweep_string_iterator())
             except Exception:  # noqa: BLE001 (glob / interval sweeps: not enumerable here)
