@@ -2,8 +2,10 @@
 
 Loads the base exactly as the run trained it (same quantization, same compute dtype) plus the run's adapter (or a
 checkpoint's adapter weights with `ckpt=`), and scores the run's held-out split (the examples training validated
-on, in the same order) or every row of another file in the run's data format (Alpaca rows for a run on the
-generated default). Writes `<run>/eval.json` (`eval_<name>.json` for other data) and prints it.
+on, in the same order) or every row of another dataset in the run's data format (Alpaca rows for a run on the
+generated default): `data=<file>`, `data.path=<file>` or `data.val_path=<file>` (the same: that file, every usable
+row), or `data.hub_id=<name>`. Writes `<run>/eval.json` (`eval_<name>.json` for other data) and prints it; its
+`data` entry names what was scored.
 
     python -m exp.evaluate run=outputs/2026-11-30/11-45-49
     python -m exp.evaluate ckpt=outputs/2026-11-30/11-45-49/checkpoints/step-001000.ckpt
@@ -18,7 +20,7 @@ import functools
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl
-from exp.data.datamodule import Encoded, all_examples, build_splits, collate
+from exp.data.datamodule import Encoded, all_examples, build_splits, collate, validation_source
 from exp.model.loss import resolve_loss_impl
 from exp.model.metrics import batch_response_metrics
 from exp.run.dirs import RunLayout, write_json
@@ -52,7 +54,7 @@ TOOL = Tool(
             "data",
             None,
             "a data file (or directory) in the run's data format (alpaca for the generated default), evaluated in "
-            "full instead of the held-out split",
+            "full instead of the held-out split (the same as data.path=FILE)",
             placeholder="FILE",
         ),
         Key("name", None, "names the report eval_<name>.json [default: the data file's and the checkpoint's stems]"),
@@ -71,20 +73,76 @@ TOOL = Tool(
 )
 
 
-def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str]) -> DataConfig:
-    """The run's data config, or a file in its place, with `data.<field>=` overrides checked against the schema.
+# Arguments that name a dataset to score whole instead of the run's held-out split. data.val_path names the file
+# the held-out split would be read from, so it is scored the same way: every usable row.
+SOURCE_KEYS = ("data", "data.path", "data.val_path", "data.hub_id")
+# Fields that only choose how the held-out split is drawn: with a whole dataset they would change nothing.
+SPLIT_KEYS = ("data.val_size", "data.num_examples", "data.seed")
 
-    A file is read in the run's format with the run's column mapping (a chat run is scored on chat rows); the
+
+@dataclass(frozen=True)
+class EvalSource:
+    """A dataset the arguments name in place of the run's held-out split: the key that named it and its value (a
+    file made absolute against the current directory, or a hub id)."""
+
+    key: str
+    value: str
+
+    @property
+    def is_hub(self) -> bool:
+        return self.key == "data.hub_id"
+
+
+def eval_source(data: str | None, fields: dict[str, str]) -> EvalSource | None:
+    """The dataset `data=` or a `data.path` / `data.val_path` / `data.hub_id` field names (None: the held-out
+    split); refused, before any model loads, when two are named, a file does not exist, or a split field is given
+    that a whole dataset would ignore."""
+    given = {"data": data, **fields}
+    named = [(k, str(given[k])) for k in SOURCE_KEYS if given.get(k) not in (None, "", "null")]
+    if not named:
+        return None
+    if len({v for _, v in named}) > 1:
+        listing = " and ".join(f"{k}={v}" for k, v in named)
+        raise ConfigError(
+            f"{listing}: two datasets to score, and exp.evaluate scores one. Keep one of them (data=<file> and "
+            "data.path=<file> say the same), or evaluate twice with name= to keep both reports."
+        )
+    key, value = named[0]
+    if unused := [f"{k}={given[k]}" for k in SPLIT_KEYS if k in fields]:
+        raise ConfigError(
+            f"{', '.join(unused)} with {key}={value}: these choose how the run's held-out split is drawn, and "
+            f"{key}= scores every usable row of that dataset instead, so they would change nothing. Drop them, "
+            f"or drop {key}= to score a held-out split drawn with them."
+        )
+    if key == "data.hub_id":
+        return EvalSource(key, value)
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"{key}={value}: no such file or directory (relative paths are read from the current directory, "
+            f"{Path.cwd()}). Pass the path of the file to score (an absolute path, or one relative to here), or drop "
+            f"{key}= to score the run's held-out split."
+        )
+    return EvalSource(key, str(path.resolve()))
+
+
+def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str]) -> DataConfig:
+    """The run's data config, or a dataset in its place (`eval_source`), with `data.<field>=` overrides checked
+    against the schema.
+
+    A dataset is read in the run's format with the run's column mapping (a chat run is scored on chat rows); the
     generated default has no file format of its own, and its rows are Alpaca rows.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     cfg = base
-    if data:
-        path = Path(data).expanduser().resolve()
+    source = eval_source(data, fields)
+    fields = {k: v for k, v in fields.items() if k not in SOURCE_KEYS}
+    if source is not None:
         fmt = DataFormat.alpaca if cfg.format == DataFormat.synthetic else cfg.format
-        cfg = replace(cfg, format=fmt, path=str(path), hub_id=None, val_path=None)
+        path, hub_id = (None, source.value) if source.is_hub else (source.value, None)
+        cfg = replace(cfg, format=fmt, path=path, hub_id=hub_id, val_path=None)
     if fields:
         try:
             merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(fields_items(fields))))
@@ -99,24 +157,29 @@ def fields_items(fields: dict[str, str]) -> list[str]:
     return [f"{k.removeprefix('data.')}={v}" for k, v in fields.items()]
 
 
-def eval_examples(cfg: DataConfig, tokenizer: Any, whole: bool) -> list[Encoded]:
-    """The held-out split exactly as training drew it, or (`whole`, the `data=` file) every usable row, in order."""
-    return all_examples(cfg, tokenizer, key="data") if whole else build_splits(cfg, tokenizer).val
+def eval_examples(cfg: DataConfig, tokenizer: Any, whole: bool, key: str = "data") -> list[Encoded]:
+    """The held-out split exactly as training drew it, or (`whole`: a dataset named by `key`) every usable row, in
+    order."""
+    return all_examples(cfg, tokenizer, key=key) if whole else build_splits(cfg, tokenizer).val
 
 
-def split_name(cfg: DataConfig, whole: bool) -> str:
-    """What was scored, for the report."""
+def scored(cfg: DataConfig, whole: bool) -> dict[str, Any]:
+    """What was scored, for the report: the file (or hub dataset) the examples came from and which of its rows."""
     if whole:
-        return "all rows"
-    if cfg.val_path:
-        return f"held-out (data.val_path={cfg.val_path})"
-    return f"held-out (data.val_size={cfg.val_size}, seed {cfg.seed})"
+        where = f"data.hub_id={cfg.hub_id} (split {cfg.split})" if cfg.hub_id and not cfg.path else cfg.path
+        return {"path": cfg.path, "hub_id": None if cfg.path else cfg.hub_id, "split": f"all usable rows of {where}"}
+    return {
+        "path": cfg.val_path or cfg.path,
+        "hub_id": None if cfg.val_path or cfg.path else cfg.hub_id,
+        "split": validation_source(cfg),
+    }
 
 
-def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: bool) -> DataLoader:
+def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: bool, key: str = "data") -> DataLoader:
     """`eval_examples` in order, padded as training's validation pads them."""
     pad = functools.partial(collate, pad_id=tokenizer.pad_token_id)
-    return DataLoader(eval_examples(cfg, tokenizer, whole), batch_size=batch_size, shuffle=False, collate_fn=pad)
+    examples = eval_examples(cfg, tokenizer, whole, key)
+    return DataLoader(examples, batch_size=batch_size, shuffle=False, collate_fn=pad)
 
 
 @torch.no_grad()
@@ -168,36 +231,41 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     ckpt = Path(args["ckpt"]).expanduser() if args["ckpt"] else None
     if args["lm_eval"]:
         check_lm_eval(args["lm_eval"])
+    fields = {k: v for k, v in args.items() if k.startswith("data.")}
+    source = eval_source(args["data"], fields)  # a bad dataset argument fails here, before the model loads
     started = time.time()
     loaded = load_run(run_dir, ckpt=ckpt, overrides=args)
-    fields = {k: v for k, v in args.items() if k.startswith("data.")}
     data_cfg = eval_data_config(loaded.cfg.data, args["data"], fields)
     batch_size = args["batch_size"] or loaded.cfg.hardware.micro_batch_size
-    whole = bool(args["data"])
-    loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole)
+    whole = source is not None
+    loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole, source.key if source else "data")
     # The logits as the run's training loss computed them: in chunks unless its head or strategy rules that out.
     impl = resolve_loss_impl(loaded.cfg, loaded.model, loaded.device).impl
     report: dict[str, Any] = {
         "run": str(run_dir),
         "weights": str(ckpt) if ckpt else str(RunLayout(run_dir).adapter),
-        "data": {
-            "format": data_cfg.format.value,
-            "path": data_cfg.path,
-            "split": split_name(data_cfg, whole),
-        },
+        "data": {"format": data_cfg.format.value, **scored(data_cfg, whole)},
         **score(loaded.model, loader, loaded.device, impl),
     }
     if args["lm_eval"]:
         report["lm_eval"] = run_lm_eval(loaded, args["lm_eval"], batch_size, args["lm_eval_limit"])
     report["seconds"] = round(time.time() - started, 1)
     # A report per weights and data: a checkpoint's or another set's numbers never replace eval.json.
-    parts = [Path(args["data"]).stem if args["data"] else ("custom" if fields else ""), ckpt.stem if ckpt else ""]
-    name = args["name"] or "_".join(p for p in parts if p)
+    other = {k: v for k, v in fields.items() if k not in SOURCE_KEYS}
+    data_part = report_stem(source) if source else ("custom" if other else "")
+    if source and other:
+        data_part += "_custom"
+    name = args["name"] or "_".join(p for p in [data_part, ckpt.stem if ckpt else ""] if p)
     out = run_dir / (f"eval_{name}.json" if name else "eval.json")
     write_json(out, report)
     print(json.dumps(report, indent=2, default=str))
-    print(f"exp: wrote {out}")
+    print(f"exp: scored {report['data']['split']}; wrote {out}")
     return report
+
+
+def report_stem(source: EvalSource) -> str:
+    """The part of the report's name that says which dataset it scored: the file's stem, or the hub id."""
+    return source.value.replace("/", "_") if source.is_hub else Path(source.value).stem
 
 
 def main(argv: list[str] | None = None) -> None:

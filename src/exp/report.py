@@ -60,6 +60,9 @@ class JobRow:
     peak_memory_gib: float | None = None
     error: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train/loss)
+    has_csv: bool = False  # csv/metrics.csv exists
+    log_every: int | None = None  # trainer.log_every_n_steps of the run's config.yaml
+    validated_on: str | None = None  # what its val/* metrics were measured on (summary.json's data.validated_on)
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -86,6 +89,8 @@ def read_run(run: Path, metric: str) -> JobRow:
     status = read_status(run)
     row = JobRow(run.name, run, run_state(run), _overrides(run), error=status.get("error", ""))
     metrics_csv = RunLayout(run).metrics
+    row.has_csv = metrics_csv.exists()
+    row.log_every = _log_every(run)
     if metrics_csv.exists():
         values = []
         for r in csv.DictReader(metrics_csv.open()):
@@ -101,7 +106,48 @@ def read_run(run: Path, metric: str) -> JobRow:
         row.final = s["final_val"].get(metric, row.final)
         row.steps, row.seconds = s.get("steps"), s.get("seconds")
         row.tokens_per_s, row.peak_memory_gib = s.get("tokens_per_s_median"), s.get("peak_memory_gib")
+        row.validated_on = (s.get("data") or {}).get("validated_on")
     return row
+
+
+def _log_every(run: Path) -> int | None:
+    """trainer.log_every_n_steps as the run recorded it (config.yaml), to say why a curve is missing."""
+    path = RunLayout(run).config
+    if not path.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(OmegaConf.load(path), "trainer.log_every_n_steps")
+    return value if isinstance(value, int) else None
+
+
+def missing_curves(rows: list[JobRow]) -> list[str]:
+    """Why a job has no line in the loss plots: one note per job without a train/loss row."""
+    notes = []
+    for r in rows:
+        if r.curve:
+            continue
+        if not r.has_csv:
+            why = "no csv/metrics.csv (logger=none, or it stopped before its first logged metric)"
+        elif r.status in ("running", "interrupted") or not r.steps:
+            why = "no training step logged yet"
+        elif r.log_every and r.steps < r.log_every:
+            why = (
+                f"no train/loss row in csv/metrics.csv: {r.steps} steps, fewer than trainer.log_every_n_steps="
+                f"{r.log_every}, and no row for the final step"
+            )
+        else:
+            why = "no train/loss row in csv/metrics.csv"
+        notes.append(f"no loss curve for {r.name}: {why}")
+    return notes
+
+
+def validation_notes(rows: list[JobRow]) -> list[str]:
+    """What the jobs' validation metrics were measured on (one line when they all share it)."""
+    sources = {r.validated_on for r in rows if r.validated_on}
+    if len(sources) == 1:
+        return [f"val/* measured on: {sources.pop()}"]
+    return [f"val/* of {r.name} measured on: {r.validated_on}" for r in rows if r.validated_on]
 
 
 def _fmt(v: object) -> str:
@@ -160,10 +206,14 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         if r.curve:
-            ax.plot(*zip(*r.curve, strict=True), label=f"{_job_label(r.name)} ({r.status})")
+            # A curve of one or two points (a run shorter than its logging interval) would be an invisible line.
+            marker = "o" if len(r.curve) < 3 else None
+            ax.plot(*zip(*r.curve, strict=True), marker=marker, label=f"{_job_label(r.name)} ({r.status})")
     ax.set(xlabel="step", ylabel="train/loss", title="training loss per job")
     if ax.lines:
         ax.legend(fontsize=7)
+    else:
+        _say_empty(ax, missing_curves(rows))
     fig.savefig(out / "loss_curves.png", dpi=100, bbox_inches="tight")
     plt.close(fig)
     written.append(out / "loss_curves.png")
@@ -183,6 +233,14 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
         plt.close(fig)
         written.append(name)
     return written
+
+
+def _say_empty(ax, notes: list[str]) -> None:
+    """An empty plot says why it is empty, in the figure itself."""
+    import textwrap
+
+    text = "\n".join(textwrap.fill(n, 80) for n in notes[:6]) or "no training-loss points"
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=8)
 
 
 def config_label(row: JobRow, swept: list[str]) -> str:
@@ -258,7 +316,8 @@ def plot_configs(groups: dict[str, list[JobRow]], out: Path) -> Path:
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         values = np.array([[c[s] for s in steps] for c in curves])
         mean = values.mean(axis=0)
-        (line,) = ax.plot(steps, mean, label=f"{label} (n={len(curves)})")
+        marker = "o" if len(steps) < 3 else None
+        (line,) = ax.plot(steps, mean, marker=marker, label=f"{label} (n={len(curves)})")
         if len(curves) > 1:
             std = values.std(axis=0, ddof=1)
             ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.25)
@@ -267,6 +326,8 @@ def plot_configs(groups: dict[str, list[JobRow]], out: Path) -> Path:
     ax.set(xlabel="step", ylabel="train/loss", title=title)
     if ax.lines:
         ax.legend(fontsize=7)
+    else:
+        _say_empty(ax, missing_curves([r for rs in groups.values() for r in rs]))
     path = out / "loss_curves_by_config.png"
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -368,6 +429,9 @@ def _report(args: Parsed) -> int:
         if r.status == "failed":
             print(f"failed {r.name}: {r.error.splitlines()[0] if r.error else ''}")
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(b) + " |" for b in body]
+    if labels := validation_notes(rows) + missing_curves(rows):
+        print("\n".join(labels))
+        md += ["", *(f"- {line}" for line in labels)]
     with (out / "report.csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *body])
     groups = config_groups(rows)

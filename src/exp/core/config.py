@@ -269,7 +269,9 @@ class DataConfig:
     # Or a dataset on the Hugging Face hub (read from the local `datasets` cache when offline), and its split.
     hub_id: str | None = None
     split: str = "train"
-    # A separate validation file (same format); when unset, `val_size` is carved from the training data.
+    # A separate validation file (same format; Alpaca rows for `format=synthetic`), for every source: validation
+    # is then all of its usable rows, and `val_size` is unused. When unset, `val_size` is carved from the training
+    # data.
     val_path: str | None = None
     # Column names, mappable for files that use other names (see docs/data.md for which format reads which).
     instruction_field: str = "instruction"
@@ -563,6 +565,14 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(f"trainer.max_skipped_steps={t.max_skipped_steps}: must be >= 0, e.g. trainer.max_skipped_steps=10")
     if d.format != DataFormat.synthetic and not (d.path or d.hub_id):
         p.append(f"data.format={d.format.value} reads a file: set data.path=<file or directory> or data.hub_id=<name>")
+    if d.format == DataFormat.synthetic and (d.path or d.hub_id):
+        # Training on generated rows while the user named a dataset would measure something they did not ask for.
+        key, value = ("data.path", d.path) if d.path else ("data.hub_id", d.hub_id)
+        p.append(
+            f"{key}={value}: data.format=synthetic (the default) generates its training examples and reads no "
+            "dataset; pick the format of the data, e.g. data=alpaca for {instruction, input, output} rows (docs/data.md "
+            f"lists them), or drop {key} to train on the generated task"
+        )
     if d.max_seq_len < 8:
         p.append(f"data.max_seq_len={d.max_seq_len}: too short to hold a prompt and a response; use >= 8")
     if d.val_size <= 0 or (d.val_size >= 1 and d.val_size != int(d.val_size)):

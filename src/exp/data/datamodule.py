@@ -121,11 +121,15 @@ class Source:
 
 
 def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
-    """Read a local file / directory, or a hub dataset (cache first), or generate the synthetic rows."""
+    """Read a local file / directory (`path`), or a hub dataset (cache first), or generate the synthetic rows.
+
+    `path` is the file the caller names (data.path, or data.val_path for the held-out split): a file is read for
+    every format, the synthetic one included (its rows are Alpaca rows), so no named file is ever replaced by
+    generated examples."""
     import datasets
 
     datasets.disable_progress_bars()  # a bar per small map / read is noise; large runs log their counts
-    if cfg.format == DataFormat.synthetic:
+    if cfg.format == DataFormat.synthetic and not path:
         rows = generate_examples(cfg.num_examples, cfg.seed)
         digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
         return Source(datasets.Dataset.from_list(rows), "synthetic", digest)
@@ -346,6 +350,7 @@ class Splits:
     val_stats: dict[str, int]
     bad_rows: int  # in data.path and data.val_path together
     cache_files: list[str]  # the tokenisation cache files of data.path
+    val_source: str  # what the held-out split is, for logs and reports (`validation_source`)
 
 
 def build_splits(cfg: DataConfig, tokenizer: Any) -> Splits:
@@ -370,7 +375,24 @@ def build_splits(cfg: DataConfig, tokenizer: Any) -> Splits:
             f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
             f"(train {len(train)}, val {len(val)} kept): raise data.max_seq_len"
         )
-    return Splits(train, val, train_stats, val_stats, bad_rows, cache_files)
+    return Splits(train, val, train_stats, val_stats, bad_rows, cache_files, validation_source(cfg))
+
+
+def source_name(cfg: DataConfig) -> str:
+    """The training source of `cfg` as the user named it: a file, a hub dataset or the generated task."""
+    if cfg.path:
+        return f"data.path={cfg.path}"
+    if cfg.hub_id:
+        return f"data.hub_id={cfg.hub_id} (split {cfg.split})"
+    return f"the generated task (data.num_examples={cfg.num_examples})"
+
+
+def validation_source(cfg: DataConfig) -> str:
+    """What the held-out split of `cfg` is: every usable row of data.val_path, or data.val_size of the training
+    source's usable rows drawn with data.seed."""
+    if cfg.val_path:
+        return f"data.val_path={cfg.val_path} (every usable row)"
+    return f"data.val_size={cfg.val_size:g} of {source_name(cfg)}, drawn with data.seed={cfg.seed}"
 
 
 def all_examples(cfg: DataConfig, tokenizer: Any, key: str = "data.path") -> list[Encoded]:
@@ -631,7 +653,12 @@ class InstructionDataModule(L.LightningDataModule):
         self.encoded_cache_files = splits.cache_files
         train_stats, val_stats, n_bad = splits.train_stats, splits.val_stats, splits.bad_rows
         # Copies: the train entry gains this module's batching statistics, which are not a property of the split.
-        self.stats: dict[str, Any] = {"train": dict(train_stats), "val": dict(val_stats), "bad_rows": n_bad}
+        self.stats: dict[str, Any] = {
+            "train": dict(train_stats),
+            "val": dict(val_stats),
+            "bad_rows": n_bad,
+            "validated_on": splits.val_source,
+        }
         self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
         # Packing has its own meaning of a step (rows, not examples): it wins over padding-free batching.
         self.flat = flat if self.packed is None else None
@@ -655,6 +682,7 @@ class InstructionDataModule(L.LightningDataModule):
             if self.flat is not None
             else "",
         )
+        log.info("data: validating on %s", splits.val_source)
 
     def _flat_micro_batches(self) -> int:
         """Micro-batches per optimiser step (all ranks) of padding-free batching: the fewest that keep every step

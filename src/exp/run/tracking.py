@@ -8,6 +8,7 @@ import netrc
 import os
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -84,16 +85,19 @@ def build_loggers(
     config: dict[str, Any],
     experiment: str | None = None,
     wandb_run_id: str | None = None,
+    steps_done: Callable[[], int] | None = None,
 ) -> list:
     """Lightning loggers for `logger.kind`; all files stay inside `output_dir`.
 
     `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
+    `steps_done`: the optimiser steps completed, which number the rows of csv/metrics.csv (exp.run.csv_record).
     """
     from exp.run.csv_record import AtomicCSVLogger  # Lightning's CSVLogger: only once a run builds its loggers
 
     if cfg.kind == LoggerKind.none:
         return []
-    loggers: list = [AtomicCSVLogger(save_dir=str(output_dir), name="", version="csv")]  # -> csv/metrics.csv
+    # -> csv/metrics.csv
+    loggers: list = [AtomicCSVLogger(save_dir=str(output_dir), name="", version="csv", steps_done=steps_done)]
     if cfg.kind == LoggerKind.wandb and not wandb_installed():
         # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
         # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
@@ -188,13 +192,17 @@ def _sha256_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def _files(p: Path) -> list[Path]:
+    """A data path's files: the file itself, or every file under a directory."""
+    return [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+
+
 def data_fingerprint(data_cfg: Any) -> str:
     """What the examples are: the bytes of the data file(s), or the generator's settings for the embedded task."""
     import hashlib
 
     if getattr(data_cfg, "path", None) and Path(data_cfg.path).exists():
-        p = Path(data_cfg.path)
-        return "sha256:" + _sha256_files([f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p])
+        return "sha256:" + _sha256_files(_files(Path(data_cfg.path)))
     key = json.dumps({"format": str(data_cfg.format.value), "n": data_cfg.num_examples, "seed": data_cfg.seed})
     return "generated:" + hashlib.sha256(key.encode()).hexdigest()
 
@@ -232,6 +240,10 @@ def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         },
         "data_fingerprint": data_fingerprint(data_cfg),
+        # The validation file's bytes, when the held-out split is a file of its own (data.val_path).
+        "val_data_fingerprint": (
+            "sha256:" + _sha256_files(_files(Path(data_cfg.val_path))) if getattr(data_cfg, "val_path", None) else None
+        ),
         "tokenizer_sha256": tok_hash,
     }
     write_json(RunLayout(run_dir).manifest, redact(manifest))

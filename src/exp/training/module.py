@@ -125,6 +125,9 @@ class QLoRAModule(L.LightningModule):
         self.strict_loading = False
         self.initial_val: dict[str, float] | None = None
         self.last_val: dict[str, float] = {}
+        self.last_val_step: int | None = None  # the optimiser step `last_val` was measured after (fit's validations)
+        # The training metrics logged during the current optimiser step (tensors, read only when exp logs them).
+        self._step_logged: dict[str, Any] = {}
         self._val_sums: dict[str, torch.Tensor] = {}
         self._step_started: float | None = None
         self._step_tokens = 0
@@ -171,7 +174,7 @@ class QLoRAModule(L.LightningModule):
             loss = causal_lm_loss(self.model, batch, self.loss_choice.impl)
         value = loss.detach()
         self._loss_bad = ~torch.isfinite(value) | self._loss_bad
-        self.log("train/loss", value, prog_bar=True)
+        self._log_train("train/loss", value, prog_bar=True)
         if step_tokens is not None:
             loss = step_token_weighted(loss, batch["labels"], step_tokens, self.trainer.accumulate_grad_batches,
                                        self.trainer.world_size)  # fmt: skip
@@ -189,7 +192,7 @@ class QLoRAModule(L.LightningModule):
         # After unscaling and before clipping: the norm the clip threshold is compared with.
         grads = [p.grad.detach().float().norm() for p in self.model.parameters() if p.grad is not None]
         norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
-        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._log_train("train/lr", optimizer.param_groups[0]["lr"])
         # fp16's loss scaler skips steps with inf gradients itself (and lowers the scale): only the loss counts there.
         check_grads = self.trainer.precision not in ("16-mixed", "16")
         bad = torch.as_tensor(self._loss_bad, device=norm.device)
@@ -203,7 +206,7 @@ class QLoRAModule(L.LightningModule):
             self._non_finite_step(optimizer)
             return
         if grads:
-            self.log("train/grad_norm", norm)
+            self._log_train("train/grad_norm", norm)
 
     def _non_finite_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the update (weights and optimizer state untouched) or stop, as trainer.on_nonfinite says."""
@@ -218,7 +221,7 @@ class QLoRAModule(L.LightningModule):
             self.skipped_steps += 1
             # AdamW leaves parameters without a gradient alone, moments included.
             optimizer.zero_grad(set_to_none=True)
-            self.log("train/skipped_steps", float(self.skipped_steps))
+            self._log_train("train/skipped_steps", float(self.skipped_steps))
             log.warning("step %d: NaN/Inf loss or gradients, update skipped (%d so far)", step, self.skipped_steps)
             return
         limit = (
@@ -264,11 +267,32 @@ class QLoRAModule(L.LightningModule):
         self.step_tokens_per_s.append(tokens_per_s)
         self.step_seconds.append(elapsed)
         self.step_padding.append(padding)
-        self.log("train/tokens_per_s", tokens_per_s, prog_bar=True)
-        self.log("train/padding", padding, prog_bar=True)
+        self._log_train("train/tokens_per_s", tokens_per_s, prog_bar=True)
+        self._log_train("train/padding", padding, prog_bar=True)
         if self.device.type == "cuda":
-            self.log("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
+            self._log_train("train/peak_memory_gib", torch.cuda.max_memory_allocated(self.device) / 2**30)
         self._step_started, self._step_tokens, self._step_slots = None, 0, 0
+        if (
+            self.trainer.global_step >= self.trainer.max_steps
+            and self.trainer.global_step % self.trainer.log_every_n_steps
+        ):
+            self._log_final_step()
+        self._step_logged = {}
+
+    def _log_train(self, name: str, value: Any, prog_bar: bool = False) -> None:
+        self.log(name, value, prog_bar=prog_bar)
+        self._step_logged[name] = value
+
+    def _log_final_step(self) -> None:
+        """The last step's training metrics, to the loggers directly: Lightning hands them over every
+        `trainer.log_every_n_steps` steps only, so a run whose length is no multiple of it (or which is shorter)
+        would end without its last training row, and a short one without any training-loss curve."""
+        metrics = {k: float(v) for k, v in self._step_logged.items()}
+        for logger in self.loggers:
+            # Lightning's step for training metrics is the steps done less one (W&B's axis); the CSV record
+            # numbers its rows by steps done (exp.run.csv_record).
+            logger.log_metrics(metrics, step=self.trainer.global_step - 1)
+            logger.save()
 
     def throughput_summary(self) -> dict[str, float | None]:
         """Median real (non-padding) tokens/s over the steps after the first two (warm-up: allocator, kernels,
@@ -313,6 +337,7 @@ class QLoRAModule(L.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics(metrics, step=0)
             return
+        self.last_val_step = self.trainer.global_step if self.trainer.state.fn == "fit" else None
         for k, v in metrics.items():
             self.log(k, v, prog_bar=k == "val/loss", sync_dist=False)
 

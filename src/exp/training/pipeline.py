@@ -101,7 +101,13 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         )
         run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
         loggers = build_loggers(
-            cfg.logger, output_dir, run_name, config, cfg.experiment_name, module.tracking_ids.get("wandb")
+            cfg.logger,
+            output_dir,
+            run_name,
+            config,
+            cfg.experiment_name,
+            module.tracking_ids.get("wandb"),
+            steps_done=lambda: module.trainer.global_step,
         )
         trainer = build_trainer(
             cfg,
@@ -114,7 +120,10 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
             write_manifest(output_dir, tokenizer, cfg.data)
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
-            trainer.validate(module, datamodule=datamodule, verbose=False)  # the final evaluation, at the last step
+            # The final evaluation, at the last step, unless fit's own validation has just measured that step (the
+            # same weights, split and batches: a second one would record the same numbers twice).
+            if module.last_val_step != trainer.global_step:
+                trainer.validate(module, datamodule=datamodule, verbose=False)
         except torch.OutOfMemoryError as e:
             raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
         GUARD.phase = "saving the results"
@@ -218,7 +227,8 @@ def print_summary(s: dict, output_dir: Path) -> None:
         f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
         f"{s['chance_token_accuracy']:.3f})\n"
         f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
-        f"  throughput      {s['tokens_per_s_median']} tokens/s (median step{ranks})"
+        + (f"  validated on    {s['data']['validated_on']}\n" if s.get("data", {}).get("validated_on") else "")
+        + f"  throughput      {s['tokens_per_s_median']} tokens/s (median step{ranks})"
         + (f", peak memory {s['peak_memory_gib']} GiB{per_device}" if s.get("peak_memory_gib") else "")
         + f"\n  adapter         {output_dir / 'adapter'}"
     )
