@@ -249,13 +249,14 @@ def test_metrics_csv_holds_each_step_once_with_the_last_steps_training_row(measu
     assert [int(r["step"]) for r in rows if r["val/loss"]] == [0, 2, 4]
     assert float(rows[-1]["val/loss"]) == pytest.approx(result.final_val["val/loss"], rel=1e-6)  # logged as float32
     assert result.module.last_val_step == 4
-    # Fit validated at step 4, so no second (final) validation ran: the samples file has each validation once.
-    samples = (result.output_dir / "samples.txt").read_text()
-    assert [line for line in samples.splitlines() if line.startswith("===")] == [
-        "=== step 0 ===",
-        "=== step 2 ===",
-        "=== step 4 ===",
+    # Fit validated at step 4, so no second (final) validation ran: train.log records each logging call once.
+    log = (result.output_dir / "train.log").read_text()
+    validations = [
+        line.split(" - ", 1)[1].split(":")[0]
+        for line in log.splitlines()
+        if "[exp.record]" in line and "val/loss=" in line
     ]
+    assert validations == ["step 0", "step 2", "step 4"]
 
 
 @pytest.mark.slow
