@@ -311,6 +311,8 @@ CHECKS = {
 # command alone; the test named creates the state and checks the message.
 STATEFUL = {
     "already holds a job": "tests/test_sweeps.py",
+    "already holds another study": "tests/test_sweeps.py",
+    "is being written by another launch": "tests/test_sweeps.py",
     "never writes over a run": "tests/test_inference.py",
     "not an exp run's": "tests/test_run_dirs.py",
     "runs each job on a GPU of its own": "tests/test_sweeps.py",

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def exp(
 
 
 def sweep_and_relaunch(cwd: Path):
-    """Three jobs, the third made to fail (a target module that does not exist), then the same sweep again."""
+    """Three jobs, the third made to fail (a target module that does not exist), then the same sweep again, then
+    another study into its directory."""
     args = [
         "exp.train",
         "-m",
@@ -57,7 +59,11 @@ def sweep_and_relaunch(cwd: Path):
     adapters = sorted((cwd / "study").glob("*/adapter/adapter_model.safetensors"))
     stamps = {p: p.stat().st_mtime_ns for p in adapters}
     second = exp(args, cwd)
-    return cwd / "study", first, second, stamps
+    # A second study into the same directory, afterwards: other swept keys, the same fixed settings.
+    before = _files(cwd / "study")
+    other = [a if not a.startswith("lora.target_modules=") else "trainer.learning_rate=1e-3,2e-3" for a in args]
+    third = (exp(other, cwd), before, _files(cwd / "study"))
+    return cwd / "study", first, second, stamps, third
 
 
 def isolated_jobs(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
@@ -142,6 +148,7 @@ def launches(request, tmp_path_factory):
             "test_report_matches_the_jobs_own_files",
             "test_report_shows_a_running_job",
             "test_report_of_one_run_goes_into_that_run_never_the_current_directory",
+            "test_a_second_study_launched_afterwards_is_refused_and_changes_nothing",
         ],
         "isolated": ["test_jobs_are_isolated"],
         "optuna": [
@@ -164,7 +171,7 @@ def sweep(launches):
 
 @pytest.mark.slow
 def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
-    study, first, _, _ = sweep
+    study, first, *_ = sweep
     assert first.returncode == 1, first.stderr[-3000:]  # one job failed
     groups = job_groups(study)
     status = {job.split("_", 1)[0]: json.loads((dirs[0] / "status.json").read_text()) for job, dirs in groups.items()}
@@ -175,7 +182,7 @@ def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
 
 @pytest.mark.slow
 def test_relaunch_skips_completed_jobs_and_keeps_their_files(sweep):
-    study, _, second, stamps = sweep
+    study, _, second, stamps, _ = sweep
     assert second.returncode == 1
     assert (second.stdout + second.stderr).count("already completed with this config, skipped") == 2
     assert stamps and all(p.stat().st_mtime_ns == t for p, t in stamps.items())
@@ -184,8 +191,22 @@ def test_relaunch_skips_completed_jobs_and_keeps_their_files(sweep):
 
 
 @pytest.mark.slow
+def test_a_second_study_launched_afterwards_is_refused_and_changes_nothing(sweep):
+    study, *_, (proc, before, after) = sweep
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    message = proc.stderr.split("exp: error: ", 1)[1]
+    assert message.startswith("hydra.sweep.dir=study already holds another study, 3 job(s) of other settings")
+    assert (
+        "(lora.target_modules: swept there, " in message
+        and "; trainer.learning_rate: 0.005 there, swept now)" in message
+    )
+    assert "Fix: give this study its own directory, hydra.sweep.dir=study_2" in message
+    assert after == before and not (study.parent / "study_2").exists()
+
+
+@pytest.mark.slow
 def test_report_matches_the_jobs_own_files(sweep):
-    study, _, _, _ = sweep
+    study, *_ = sweep
     proc = exp(["exp.report", str(study)], study.parent)
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader((study / "report.csv").open()))
@@ -204,7 +225,7 @@ def test_report_matches_the_jobs_own_files(sweep):
 
 @pytest.mark.slow
 def test_report_shows_a_running_job(tmp_path, sweep):
-    study, _, _, _ = sweep
+    study, *_ = sweep
     running = tmp_path / "study"
     (running / "0_x").mkdir(parents=True)
     (running / "0_x" / ".hydra").mkdir()
@@ -218,7 +239,7 @@ def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_pa
 
     from exp.report import main
 
-    study, _, _, _ = sweep
+    study, *_ = sweep
     run = shutil.copytree(next(d for d in study.iterdir() if d.name.startswith("0_")), tmp_path / "run")
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
@@ -272,12 +293,12 @@ def test_a_relaunched_study_with_other_settings_is_refused_and_changes_nothing(l
     proc, before, after, names = other
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.split("exp: error: ", 1)[1]
-    assert message.startswith("hydra.sweep.dir=opt already holds a job 0 that was asked to run another config")
-    assert "trainer.max_steps: 3 there, 4 now" in message and "lora.alpha: " in message
+    assert message.startswith("hydra.sweep.dir=opt already holds another study, 2 job(s) of other settings")
+    assert "lora.alpha: swept there, 16 now" in message and "trainer.max_steps: 3 there, 4 now" in message
     assert "Fix: give this study its own directory, hydra.sweep.dir=opt_2" in message
     assert "Traceback" not in proc.stderr and "Best value" not in proc.stdout + proc.stderr
     assert after == before  # optimization_results.yaml, every job's files and records: as they were
-    assert names == ["0", "1", "optimization_results.yaml"]
+    assert names == [".lock", "0", "1", "optimization_results.yaml", "study.json"]
 
 
 @pytest.mark.slow
@@ -317,6 +338,156 @@ def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp
     with pytest.raises(SweepConflict, match="lora.r: 8 there, 16 now") as e:
         earlier_result(job, other, job.parent)
     assert isinstance(e.value, ConfigError)
+
+
+TRAIN_PY = str(ROOT / "src" / "exp" / "train.py")
+
+
+def claim(argv: list[str]) -> list[str]:
+    """`claim_study` as `python -m exp.train` calls it before Hydra starts."""
+    from exp.run.compose import CONF_DIR
+    from exp.run.sweep import claim_study
+
+    return claim_study(argv, TRAIN_PY, str(CONF_DIR), "train")
+
+
+def study_with_a_job(tmp_path: Path, argv: list[str]) -> Path:
+    """The sweep directory `S` that the launch `argv` claimed, with one completed job; the claim released."""
+    from exp.run.dirs import write_status
+    from exp.run.sweep import release_studies
+
+    assert claim(argv)[-1] == 'hydra.sweep.dir="S"'
+    job = tmp_path / "S" / "0_lora.r=4"
+    job.mkdir()
+    (job / "sweep_job.json").write_text("{}")
+    write_status(job, "completed")
+    release_studies()  # a directory holding a job stays
+    return tmp_path / "S"
+
+
+def test_a_second_study_in_a_sweep_dir_is_refused_and_the_same_one_resumes(tmp_path, monkeypatch):
+    """The first study's jobs are never mixed with another's: other fixed settings or other swept keys are refused,
+    before anything is written; more values of the same keys extend the study."""
+    from exp.core.config import ConfigError
+    from exp.run.sweep import release_studies
+
+    monkeypatch.chdir(tmp_path)
+    first = ["-m", "lora.r=4,8", "trainer.max_steps=3", "hydra.sweep.dir=S"]
+    study = study_with_a_job(tmp_path, first)
+    before = _files(study)
+    others = {
+        "another fixed value": (
+            ["-m", "lora.r=4,8", "trainer.max_steps=40", "hydra.sweep.dir=S"],
+            "trainer.max_steps: 3 there, 40 now",
+        ),
+        "another swept key": (
+            ["-m", "trainer.learning_rate=1e-3,2e-3", "trainer.max_steps=3", "hydra.sweep.dir=S"],
+            "lora.r: swept there, 8 now; trainer.learning_rate: 0.005 there, swept now",
+        ),
+        "one more swept key": (
+            ["-m", "lora.r=4,8", "lora.alpha=8,16", "trainer.max_steps=3", "hydra.sweep.dir=S"],
+            "lora.alpha: 16 there, swept now",
+        ),
+    }
+    for name, (argv, differs) in others.items():
+        with pytest.raises(ConfigError) as info:
+            claim(argv)
+        message = str(info.value)
+        assert message.startswith("hydra.sweep.dir=S already holds another study, 1 job(s) of other settings"), name
+        assert f"({differs})" in message, (name, message)
+        assert "Fix: give this study its own directory, hydra.sweep.dir=S_2" in message
+        assert _files(study) == before and not (tmp_path / "S_2").exists(), name
+    # The same study again, with more values: resumed in its own directory (its jobs are reused job by job).
+    try:
+        assert claim([*first[:1], "lora.r=4,8,16", *first[2:]])[-1] == 'hydra.sweep.dir="S"'
+    finally:
+        release_studies()
+
+
+HOLD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_sweeps import claim
+print(claim(sys.argv[2:])[-1], flush=True)
+sys.stdin.read()  # holds the sweep directory until the test closes stdin, as a launch does until it ends
+"""
+
+
+def hold(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen, str]:
+    """Another launch, claiming `argv`'s sweep directory and holding it; returns once it holds it, with the
+    `hydra.sweep.dir="..."` it pinned."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(ROOT / "tests"), *argv],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pinned = proc.stdout.readline().strip()
+    assert pinned.startswith("hydra.sweep.dir="), pinned
+    return proc, pinned
+
+
+def test_a_sweep_dir_that_a_live_launch_holds_is_refused_or_passed_over(tmp_path, monkeypatch):
+    """Two launches at once: the second is refused (a named directory) or given its own (the time-stamped default),
+    whichever study it is; once the first has ended, the same study resumes there."""
+    from exp.core.config import ConfigError
+    from exp.run.sweep import release_studies
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["-m", "lora.r=4,8", "hydra.sweep.dir=S"]
+    holder, _ = hold(tmp_path, argv)
+    try:
+        with pytest.raises(ConfigError) as info:
+            claim(argv)
+        message = str(info.value)
+        assert message.startswith(
+            f"hydra.sweep.dir=S is being written by another launch right now (process {holder.pid} holds S/.lock)"
+        )
+        assert "Fix: wait for that launch to end" in message and "hydra.sweep.dir=S_2" in message
+        assert sorted(p.name for p in (tmp_path / "S").iterdir()) == [".lock", "study.json"]
+        # The time-stamped default: a launch in the same second (here: the same year) gets a directory of its own.
+        stamped = ["-m", "lora.r=4,8", "hydra.sweep.dir=M/${now:%Y}"]
+        first, held = hold(tmp_path, stamped)
+        try:
+            assert claim(stamped)[-1] == held[:-1] + '_2"'
+            assert sorted(p.name for p in (tmp_path / "M").iterdir()) == [
+                f"{time.strftime('%Y')}{n}" for n in ("", "_2")
+            ]
+        finally:
+            release_studies()
+            first.stdin.close()
+            first.wait(timeout=60)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    try:
+        assert claim(argv)[-1] == 'hydra.sweep.dir="S"'
+    finally:
+        release_studies()
+
+
+def test_the_cli_refuses_a_sweep_dir_that_is_not_a_study_or_is_held_and_writes_nothing(tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "0_lora.r=4").mkdir(parents=True)  # a job's name, but no job's record in it
+    (mine / "notes.txt").write_text("keep me")
+    before = _files(mine)
+    proc = exp(["exp.train", "-m", "lora.r=4,8", "hydra.sweep.dir=mine"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("exp: error: hydra.sweep.dir=mine: the directory exists and holds files that are not")
+    assert "(0_lora.r=4/, notes.txt)" in proc.stderr and "hydra.sweep.dir=mine_2" in proc.stderr
+    assert _files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["0_lora.r=4", "notes.txt"]
+
+    holder, _ = hold(tmp_path, ["-m", "lora.r=4,8", "hydra.sweep.dir=S"])
+    try:
+        proc = exp(["exp.train", "-m", "lora.r=4,8", "hydra.sweep.dir=S"], tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("exp: error: hydra.sweep.dir=S is being written by another launch right now")
+    assert sorted(p.name for p in (tmp_path / "S").iterdir()) == [".lock", "study.json"]
 
 
 @pytest.mark.slow

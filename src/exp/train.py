@@ -1,6 +1,6 @@
 """`python -m exp.train [overrides]`: fine-tune the LoRA adapters of a 4-bit Gemma.
 
-The front door: check the command line, claim the run directory, let Hydra compose the config, hand over to
+The front door: check the command line, claim the run (or sweep) directory, let Hydra compose the config, hand over to
 `exp.training.pipeline` (one run) or `exp.training.sweep_job` (one job of a multirun). `run([...overrides])` does
 the same from Python (a notebook, a test).
 """
@@ -32,6 +32,7 @@ from exp.run.dirs import (
     shared_launch_id,
 )
 from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
+from exp.run.sweep import claim_study, release_studies
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, guarded
 
 if TYPE_CHECKING:
@@ -128,10 +129,15 @@ def _cli() -> None:
         end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
     try:
         sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
+        if not any(a.startswith('hydra.run.dir="') for a in sys.argv[1:]):  # a sweep pins no run directory
+            sys.argv[1:] = claim_study(sys.argv[1:], __file__, str(CONF_DIR), "train")
     except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    finally:
+        release_studies()
 
 
 if __name__ == "__main__":

@@ -221,6 +221,21 @@ def lock_run(run_dir: Path, create: bool = True) -> bool:
     return True
 
 
+def lock_holder(run_dir: Path) -> int | None:
+    """The id of the process holding `run_dir`'s lock, as Linux lists it (/proc/locks); None where it says nothing."""
+    try:
+        st = (run_dir / LOCK_FILE).stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"  # the kernel's device:inode
+    for line in table.splitlines():  # "1: FLOCK  ADVISORY  WRITE 18285 fe:00:2220963 0 EOF"
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == file and fields[4].isdigit():
+            return int(fields[4])
+    return None
+
+
 def release_run(run_dir: Path) -> None:
     if (fd := _held.pop(run_dir.resolve(), None)) is not None:
         os.close(fd)
@@ -257,6 +272,20 @@ def _shared_launch_rank() -> bool:
     return bool(os.environ.get(LAUNCH_ID_ENV)) and os.environ.get("RANK", "0") != "0"
 
 
+def make_dir(path: Path, key: str) -> list[Path]:
+    """Create `path` and its parents; the directories this made (`path` first, then its new parents). Raises
+    ConfigError naming `key` (the setting that named `path`) when it cannot be created."""
+    made = [d for d in (path, *path.parents) if not d.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{key}={path}: the directory cannot be created ({e.strerror or e}). Pass a directory you can write, e.g. "
+            f"{key}=<a writable path> (or run from a writable directory)."
+        ) from None
+    return made
+
+
 def claim_run_dir(path: Path) -> Path:
     """`path`, or `path_1`, `path_2`, ...: the first that no run has used (no status.json) and that no other process
     is claiming, created and locked by this process, its status `running`. Atomic: two processes that claim the same
@@ -274,14 +303,7 @@ def claim_run_dir(path: Path) -> Path:
             n += 1
             candidate = path.with_name(f"{path.name}_{n}")
             continue
-        made = [d for d in (candidate, *candidate.parents) if not d.exists()]
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"run directory {candidate} cannot be created ({e.strerror or e}). Pass a directory you can write, "
-                "e.g. hydra.run.dir=<a writable path> (or run from a writable directory)."
-            ) from None
+        made = make_dir(candidate, "hydra.run.dir")
         # A run's directory is left as it is (no lock file added); a free one is locked, then checked again: another
         # process may have claimed it and written its status in between.
         if not (candidate / STATUS_FILE).exists() and lock_run(candidate):
