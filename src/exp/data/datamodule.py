@@ -30,6 +30,7 @@ from exp.data.formats import BadRow, Rendered, field_key, format_prompt, render_
 from exp.data.packing import Packed, concatenate, pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, row_length
 from exp.data.synthetic import generate_examples
+from exp.data.worker import run_in_child
 
 log = logging.getLogger(__name__)
 # Bump when the encoding changes, so cached tokenisations are not reused.
@@ -244,17 +245,25 @@ def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp:
 
     fp = encoding_fingerprint(cfg, source, tokenizer_fp)
 
-    def build(tmp: Path) -> None:
+    num_proc = min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None
+
+    def tokenise(tmp: Path) -> None:
         ds.map(
             _encode_row,
             fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
             remove_columns=ds.column_names,
-            num_proc=min(4, max(1, len(ds) // PARALLEL_ROWS)) if len(ds) >= PARALLEL_ROWS else None,
+            num_proc=num_proc,
             cache_file_name=str(tmp / "rows.arrow"),  # one file per process with num_proc: rows_0000N_of_0000M
             load_from_cache_file=False,
             new_fingerprint=fp,
             desc=f"tokenising {source.name}",
         )
+
+    def build(tmp: Path) -> None:
+        if num_proc is None:
+            tokenise(tmp)
+        else:  # the pool in a process group of its own, which a signal here ends at once (exp.data.worker)
+            run_in_child(functools.partial(tokenise, tmp), f"tokenisation of {source.name}")
 
     entry = ensure_entry(_cache("tokenized") / fp, build, f"tokenisation of {source.name}")
     shards = sorted(entry.glob("rows*.arrow"))
