@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 
 @pytest.mark.slow
-def test_default_run_learns_within_five_minutes(tmp_path):
-    started = time.time()
+def test_default_run_learns(tmp_path):
+    # How long it takes is a benchmark figure (README), not asserted: CI and users share busy machines.
     proc = subprocess.run(
         [sys.executable, "-m", "exp.train", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
@@ -21,11 +20,9 @@ def test_default_run_learns_within_five_minutes(tmp_path):
         text=True,
         timeout=600,
     )
-    elapsed = time.time() - started
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     first, last = summary["initial_val"], summary["final_val"]
-    assert elapsed < 300, f"the default run took {elapsed:.0f} s"
     assert last["val/loss"] <= 0.75 * first["val/loss"], (first, last)
     # Clearly above chance: the best constant guess scores the majority-token baseline.
     assert last["val/token_accuracy"] > 3 * summary["chance_token_accuracy"]
