@@ -33,6 +33,7 @@ from exp.run.dirs import (
 )
 from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
 from exp.run.sweep import claim_study, release_studies
+from exp.run.sweep_launcher import mark_launcher
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, guarded
 
 if TYPE_CHECKING:
@@ -134,6 +135,8 @@ def _cli() -> None:
     except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        mark_launcher()  # the sweep's jobs, in whatever process a launcher starts them, end with this one
     try:
         main()
     finally:

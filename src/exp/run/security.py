@@ -515,15 +515,18 @@ def _secrets_in(record: Any, key: str = "") -> list[str]:
     return [str(record)] if record and SECRET_NAME.search(key) else []
 
 
-def remove_secret_pickles(sweep_dir: Path, config: DictConfig) -> list[Path]:
+def remove_secret_pickles(sweep_dir: Path, config: DictConfig, paths: list[Path] | None = None) -> list[Path]:
     """Delete the pickles a launcher left in the sweep directory (submitit's submitted and result files hold the
-    whole config, Hydra's env_set values included) when they contain one of the sweep's secrets."""
+    whole config, Hydra's env_set values included), or the given `paths`, when they contain one of the sweep's
+    secrets."""
     record = OmegaConf.to_container(config, resolve=False)
     overrides = OmegaConf.to_container(config.hydra.overrides)
     assert isinstance(overrides, dict)
     secrets = {s.encode() for s in [*_secrets_in(record), *secret_values(overrides["hydra"] + overrides["task"])]}
+    if paths is None:
+        paths = list(sweep_dir.rglob("*.pkl")) if sweep_dir.is_dir() else []
     removed = []
-    for path in sweep_dir.rglob("*.pkl") if secrets and sweep_dir.is_dir() else []:
+    for path in [p for p in paths if p.is_file()] if secrets else []:
         if any(secret in path.read_bytes() for secret in secrets):
             path.unlink()
             removed.append(path)

@@ -18,8 +18,9 @@ from exp.core.secrets import mask_secrets
 from exp.run.checkpoints import newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, to_typed, write_run_config
 from exp.run.dirs import claim_run_dir, read_status, release_run, write_status
-from exp.run.security import write_hydra_record
+from exp.run.security import remove_secret_pickles, write_hydra_record
 from exp.run.sweep import SweepConflict, earlier_result, final_metric, record_job, restore_sweep_record
+from exp.run.sweep_launcher import submitit_pickle, watch_launcher
 from exp.training.launch import run_job_process
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
 
@@ -35,6 +36,10 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     """
 
     hydra_cfg = HydraConfig.get()
+    watch_launcher()  # a job in a process of its own (submitit) ends with the sweep's launcher
+    if (submitted := submitit_pickle()) is not None:  # read at the job's start, not needed after it
+        config = OmegaConf.create({**OmegaConf.to_container(dcfg, resolve=False), "hydra": hydra_cfg})
+        remove_secret_pickles(Path(hydra_cfg.sweep.dir), config, [submitted])
     job = plan_sweep_job(dcfg, job_dir, Path(hydra_cfg.sweep.dir), Path(hydra.utils.get_original_cwd()))
     if job.reuse is not None:
         log.info("sweep: %s already completed with this config, skipped", job.reuse.name)
@@ -50,6 +55,10 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     finally:
         release_run(run_dir)
     status = read_status(run_dir)
+    if GUARD.received is not None and rc == -GUARD.received:  # passed on before the job's own handler was in place
+        name = signal.Signals(GUARD.received).name
+        write_status(run_dir, "preempted", error=f"Preempted: stopped by {name} while the job process started")
+        rc, status = REQUEUE_EXIT, read_status(run_dir)
     if rc == REQUEUE_EXIT and status.get("status") == "preempted":
         # The signal that stopped the job stops the sweep: re-launching it reuses the completed jobs.
         checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
