@@ -316,7 +316,8 @@ def quiet_third_party_logs(verbose: bool = False) -> None:
 
     bitsandbytes logs the absence of an optional CPU kernel package; Lightning installs a second console handler
     (every line would print twice next to Hydra's) and advertises a cloud logger; transformers draws a "Loading
-    weights" bar per model load, which buries the lines around it.
+    weights" bar per model load, which buries the lines around it. exp.train, exp.preview, exp.bench, exp.evaluate,
+    exp.generate and exp.merge all start with this.
     """
     import warnings
 
@@ -327,6 +328,8 @@ def quiet_third_party_logs(verbose: bool = False) -> None:
         hf_logging.enable_progress_bar()
     else:
         hf_logging.disable_progress_bar()
+        # exp.merge chooses the dtype it dequantizes to and names it in its own summary.
+        logging.getLogger("transformers.integrations.bitsandbytes").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):

@@ -19,7 +19,7 @@ import torch
 
 from exp.core.cli import VERBOSE_HELP, Key, Parsed, Tool, parse, run_tool
 from exp.core.config import Accelerator, ConfigError, QuantizationConfig, QuantType, Strategy, TrainConfig
-from exp.model.build import load_base_model
+from exp.model.build import load_base_model, quiet_third_party_logs
 from exp.run.checkpoints import load_checkpoint_file
 from exp.run.compose import load_run_config
 from exp.run.dirs import RunLayout
@@ -79,6 +79,8 @@ def run_cli(tool: Tool, body: Callable[[list[str]], Any], argv: list[str] | None
     argv = sys.argv[1:] if argv is None else argv
 
     def quiet_then_body(args: Parsed) -> None:
+        # The console setup of exp.train, before anything loads: no loading bars, kernel notices or deprecations.
+        quiet_third_party_logs(bool(args.values.get("verbose")))
         body(argv)
 
     if code := run_tool(tool, quiet_then_body, argv):

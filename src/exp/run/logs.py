@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,8 @@ RECORD.addHandler(logging.NullHandler())  # where no train.log is written (ranks
 # Hydra's file format, so that a run's train.log reads the same whoever opened it.
 FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 THIRD_PARTY = ("lightning.pytorch", "lightning.fabric")  # they print through handlers of their own
+# A bar's redraws when stdout is a file, not a terminal: a log file (or CI) shows every redraw as a line of its own.
+FILE_REFRESH_S = 30.0
 
 
 class ExpOrWarning(logging.Filter):
@@ -166,7 +169,20 @@ class StepProgressBar(TQDMProgressBar):
     a resumed run starts, so its ETA counts only the steps still to run. Evaluations are named: "Step-0
     evaluation" (Lightning's sanity check, which exp uses as the evaluation of the untrained adapters), "Evaluation at
     step N", "Final evaluation". An error ends the bars' line first, so its message starts on a line of its own.
+    Where stdout is not a terminal, a bar is redrawn at most every FILE_REFRESH_S seconds and when it completes.
     """
+
+    _drawn = -math.inf  # when a bar was last redrawn (monotonic seconds)
+
+    def _should_update(self, current: int, total: int) -> bool:
+        if not super()._should_update(current, total):
+            return False
+        if current == total or sys.stdout.isatty():
+            return True
+        if time.monotonic() - self._drawn < FILE_REFRESH_S:
+            return False
+        self._drawn = time.monotonic()
+        return True
 
     @property
     def total_train_batches(self) -> int | float:
