@@ -9,6 +9,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -40,6 +41,24 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, schedule: Schedule) 
     if schedule == Schedule.linear:
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def continued_schedule_note(t: TrainerConfig, trained_max_steps: int, step: int) -> str | None:
+    """What a continuation with a larger `trainer.max_steps` does to the learning rate (None: the same length).
+
+    The scheduler is rebuilt from the new config and its step counter restored from the checkpoint, so the run follows
+    the schedule of a fresh `max_steps`-step run from `step` on: the schedule is stretched, not restarted, and the
+    learning rate moves to that schedule's value at `step`."""
+    if trained_max_steps == t.max_steps:
+        return None
+    before = replace(t, max_steps=trained_max_steps)
+    last = t.learning_rate * lr_lambda(max(step - 1, 0), before.warmup_step_count, trained_max_steps, t.lr_schedule)
+    now = t.learning_rate * lr_lambda(step, t.warmup_step_count, t.max_steps, t.lr_schedule)
+    return (
+        f"trainer.max_steps {trained_max_steps} -> {t.max_steps}: the {t.lr_schedule.value} learning-rate schedule is "
+        f"stretched to {t.max_steps} steps (warmup {t.warmup_step_count}), as a fresh {t.max_steps}-step run has it, "
+        f"and continued from step {step}: the learning rate goes from {last:.3g} (step {max(step - 1, 0)}) to {now:.3g}"
+    )
 
 
 def step_token_weighted(

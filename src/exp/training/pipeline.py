@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from omegaconf import OmegaConf
 
 from exp.core.config import ConfigError, LoggerKind, Strategy, TrainConfig
 from exp.core.secrets import mask_secrets
@@ -38,7 +39,7 @@ from exp.run.tracking import (
 from exp.training.faults import TrainingFault, oom_diagnosis
 from exp.training.fsdp import gather_trainable, save_peft_adapter
 from exp.training.launch import close_process_group, launch_workers, needs_launch
-from exp.training.module import QLoRAModule
+from exp.training.module import QLoRAModule, continued_schedule_note
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
 from exp.training.trainer import build_trainer
 
@@ -248,6 +249,13 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None
             "tracking_ids": point.state["exp"]["tracking_ids"],  # the W&B run to continue
         }
         write_json(output_dir / RESUME_RECORD, record)
+        if note := continued_schedule_note(cfg.trainer, _trained_max_steps(point.run_dir), point.step):
+            log.info(note)
+
+
+def _trained_max_steps(run_dir: Path) -> int:
+    """The `trainer.max_steps` the continued run was trained with, from its config.yaml (resolve has read it)."""
+    return int(OmegaConf.load(RunLayout(run_dir).config).trainer.max_steps)
 
 
 def execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None = None) -> TrainResult:
