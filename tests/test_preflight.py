@@ -218,6 +218,18 @@ def test_auto_without_gpu_picks_the_cpu():
     )
 
 
+def test_auto_without_gpu_runs_what_hardware_cpu_runs_and_says_so():
+    """hardware=auto inherits hardware=gpu's defaults (checkpointing, padding-free, micro-batch 4, ...); on a CPU
+    those give way to hardware=cpu's, except for what the command line set."""
+    cpu = check(compose_typed(["hardware=cpu"]), Environment(torch_cuda=None)).cfg.hardware
+    auto = check(compose_typed(["hardware=auto"]), Environment(torch_cuda=None))
+    assert auto.cfg.hardware == cpu
+    assert any(n.startswith("hardware=auto: no GPU visible -> hardware=cpu (") for n in auto.notes), auto.notes
+    assert "padding_free: true -> false" in " ".join(auto.notes)
+    kept = check(compose_typed(["hardware=auto", "hardware.micro_batch_size=2"]), Environment(torch_cuda=None))
+    assert kept.cfg.hardware.micro_batch_size == 2 and kept.cfg.hardware.padding_free is False
+
+
 def test_auto_with_gpus_picks_ddp_when_a_replica_fits():
     result = check(
         compose_typed(["hardware=auto", "model=gemma_2b", "trainer.global_batch_size=16"]),

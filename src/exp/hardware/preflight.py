@@ -289,7 +289,10 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     # Resolve the automatic choices first, so every later check sees concrete values.
     if hw.accelerator == Accelerator.auto:
         hw.accelerator = Accelerator.gpu if visible else Accelerator.cpu
-        notes.append(f"hardware=auto: {visible} GPU(s) visible -> accelerator={hw.accelerator.value}")
+        if visible:
+            notes.append(f"hardware=auto: {visible} GPU(s) visible -> accelerator=gpu")
+        else:
+            notes.append(f"hardware=auto: no GPU visible -> hardware=cpu{_as_cpu(cfg)}")
     on_gpu = hw.accelerator == Accelerator.gpu
     if hw.num_nodes > 1 and (problem := _multi_node_problem(hw.num_nodes, os.environ)):
         findings.append(Finding("hardware.num_nodes", problem))
@@ -426,6 +429,43 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     findings += [Finding("hardware=auto", f"resolved for this machine, the config is invalid: {p}") for p in resolved]
     findings += [Finding("trainer.global_batch_size", p) for p in batch]
     return PreflightResult(cfg, findings, notes)
+
+
+def _as_cpu(cfg: TrainConfig) -> str:
+    """Give `cfg.hardware` the values of hardware=cpu wherever it holds the GPU defaults that hardware=auto inherits
+    (conf/hardware/auto.yaml); a value set on the command line stays. Says which fields changed (" (a: x -> y)")."""
+    from exp.core.config import HardwareConfig
+
+    cpu, hw = HardwareConfig(), cfg.hardware
+    changed = []
+    for name, auto_value in _auto_group_values().items():
+        value, cpu_value = getattr(hw, name), getattr(cpu, name)
+        if value == auto_value and value != cpu_value and name != "accelerator":
+            setattr(hw, name, cpu_value)
+            changed.append(f"{name}: {_shown(value)} -> {_shown(cpu_value)}")
+    return f" ({', '.join(changed)})" if changed else ""
+
+
+def _shown(value: object) -> str:
+    value = getattr(value, "value", value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _auto_group_values() -> dict[str, object]:
+    """conf/hardware/auto.yaml as composed (its defaults list first), read as YAML: the preflight runs inside Hydra,
+    where composing another config would replace the running one."""
+    import yaml
+
+    from exp.run.compose import CONF_DIR
+
+    def values(name: str) -> dict[str, object]:
+        text = yaml.safe_load((CONF_DIR / "hardware" / f"{name}.yaml").read_text()) or {}
+        merged: dict[str, object] = {}
+        for parent in text.pop("defaults", []):
+            merged.update(text if parent == "_self_" else values(parent))
+        return merged | text
+
+    return values("auto")
 
 
 def compile_problem(env: Environment) -> str | None:
