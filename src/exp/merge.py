@@ -57,6 +57,7 @@ from exp.run.inference import (
     load_base,
     load_checkpoint_adapter,
     load_run,
+    load_tokenizer,
     parse_args,
     passes_model_path,
     resolve_run_dir,
@@ -72,7 +73,7 @@ TOOL = Tool(
         *RUN_KEYS,
         Key("out", None, "where the merged checkpoint goes (a new or empty directory)", placeholder="DIR"),
         Key("overwrite", False, "replace an existing non-empty out"),
-        Key("examples", 16, "held-out examples of the parity report"),
+        Key("examples", 16, "held-out examples of the parity report", at_least=1),
         Key("base", "dequantized", "which base weights the adapter's delta is added to", choices=BASES),
         VERBOSE_KEY,
     ),
@@ -224,7 +225,7 @@ def restore_tied_embeddings(model) -> str:
 
 def merge(argv: list[str]) -> dict[str, Any]:
     """Merge, save, reload and compare; returns the parity report."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     args = parse_args(argv, TOOL)
     run_dir = resolve_run_dir(args["run"], args["ckpt"], "exp.merge")
@@ -236,7 +237,7 @@ def merge(argv: list[str]) -> dict[str, Any]:
     dequantize = args["base"] == "dequantized"
     cfg = run_config(run_dir, device, args, quantized=dequantize)
     dtype = compute_dtype(cfg.hardware.precision)
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
+    tokenizer = load_tokenizer(adapter_dir)
     batches = heldout_batches(cfg, tokenizer, args["examples"], cfg.hardware.micro_batch_size)
     targets = response_targets(batches)
 

@@ -21,6 +21,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class JobRow:
     has_csv: bool = False  # csv/metrics.csv exists
     log_every: int | None = None  # trainer.log_every_n_steps of the run's config.yaml
     validated_on: str | None = None  # what its val/* metrics were measured on (summary.json's data.validated_on)
+    damaged: list[str] = field(default_factory=list)  # its files that could not be read, and why
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -86,28 +88,58 @@ def _overrides(run: Path) -> dict[str, str]:
 
 
 def read_run(run: Path, metric: str) -> JobRow:
-    status = read_status(run)
-    row = JobRow(run.name, run, run_state(run), _overrides(run), error=status.get("error", ""))
-    metrics_csv = RunLayout(run).metrics
-    row.has_csv = metrics_csv.exists()
-    row.log_every = _log_every(run)
-    if metrics_csv.exists():
-        values = []
-        for r in csv.DictReader(metrics_csv.open()):
-            if r.get(metric):
-                values.append(float(r[metric]))
-            if r.get("train/loss"):
-                row.curve.append((int(r["step"]), float(r["train/loss"])))
+    """What a job's files say. A file that cannot be read (cut short, overwritten, not text) is named in `damaged`
+    and the row keeps what the others hold: one bad job never hides the rest of a study."""
+    row = JobRow(run.name, run, run_state(run))
+    layout = RunLayout(run)
+
+    def part(path: Path, read: Callable[[], object]) -> None:
+        try:
+            read()
+        except Exception as e:  # JSON, YAML, CSV, UTF-8 or file-system errors: what a damaged file raises
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            row.damaged.append(f"{path.relative_to(run)} ({type(e).__name__}: {first})")
+
+    def status() -> None:
+        row.error = read_status(run).get("error", "")
+
+    def overrides() -> None:
+        row.overrides = _overrides(run)
+
+    def log_every() -> None:
+        row.log_every = _log_every(run)
+
+    part(layout.status, status)
+    part(layout.hydra / "overrides.yaml", overrides)
+    part(layout.config, log_every)
+    row.has_csv = layout.metrics.exists()
+    if row.has_csv:
+        part(layout.metrics, lambda: _read_metrics(row, layout.metrics, metric))
+    if layout.summary.exists():
+        part(layout.summary, lambda: _read_summary(row, layout.summary, metric))
+    return row
+
+
+def _read_metrics(row: JobRow, path: Path, metric: str) -> None:
+    values: list[float] = []
+    try:
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                if r.get(metric):
+                    values.append(float(r[metric]))
+                if r.get("train/loss"):
+                    row.curve.append((int(r["step"]), float(r["train/loss"])))
+    finally:  # the rows before a damaged one still count
         if values:
             row.best, row.final = min(values), values[-1]
-    summary_path = RunLayout(run).summary
-    if summary_path.exists():
-        s = json.loads(summary_path.read_text())
-        row.final = s["final_val"].get(metric, row.final)
-        row.steps, row.seconds = s.get("steps"), s.get("seconds")
-        row.tokens_per_s, row.peak_memory_gib = s.get("tokens_per_s_median"), s.get("peak_memory_gib")
-        row.validated_on = (s.get("data") or {}).get("validated_on")
-    return row
+
+
+def _read_summary(row: JobRow, path: Path, metric: str) -> None:
+    s = json.loads(path.read_text())
+    row.final = s["final_val"].get(metric, row.final)
+    row.steps, row.seconds = s.get("steps"), s.get("seconds")
+    row.tokens_per_s, row.peak_memory_gib = s.get("tokens_per_s_median"), s.get("peak_memory_gib")
+    row.validated_on = (s.get("data") or {}).get("validated_on")
 
 
 def _log_every(run: Path) -> int | None:
@@ -428,8 +460,11 @@ def _report(args: Parsed) -> int:
     for r in rows:
         if r.status == "failed":
             print(f"failed {r.name}: {r.error.splitlines()[0] if r.error else ''}")
+    damaged = [
+        f"damaged {r.name}: {'; '.join(r.damaged)}; its row shows what its other files hold" for r in rows if r.damaged
+    ]
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(b) + " |" for b in body]
-    if labels := validation_notes(rows) + missing_curves(rows):
+    if labels := damaged + validation_notes(rows) + missing_curves(rows):
         print("\n".join(labels))
         md += ["", *(f"- {line}" for line in labels)]
     with (out / "report.csv").open("w", newline="") as f:

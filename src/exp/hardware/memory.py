@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from exp.core.config import Accelerator
+from exp.core.config import Accelerator, ConfigError
 from exp.core.constants import CHUNK_LOGIT_BYTES
 from exp.model.loss_plan import plan_loss_impl
 
@@ -208,12 +208,15 @@ def _linear_weight_bytes(n_in: int, n_out: int, quant_type: str, double_quant: b
 def _normalise_targets(targets: Sequence[str] | str) -> list[str]:
     if isinstance(targets, str):
         targets = [targets]
+    if bad := [t for t in targets if t != "all-linear" and t not in ALL_LINEAR]:
+        raise ConfigError(
+            f"lora.target_modules={list(targets)}: {bad} match no linear layer of a Gemma decoder layer (its "
+            f"projections: {', '.join(ALL_LINEAR)}, or all-linear). Fix: e.g. lora.target_modules=[q_proj,v_proj] "
+            "(exp.bench: lora_targets=q_proj,v_proj)."
+        )
     out: list[str] = []
     for t in targets:
-        names = ALL_LINEAR if t == "all-linear" else (t,)
-        for name in names:
-            if name not in ALL_LINEAR:
-                raise ValueError(f"LoRA target {name!r} is not a decoder projection; known: {', '.join(ALL_LINEAR)}")
+        for name in ALL_LINEAR if t == "all-linear" else (t,):
             if name not in out:
                 out.append(name)
     return out

@@ -33,9 +33,26 @@ def write_run_config(cfg: TrainConfig, output_dir: Path) -> None:
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
-    """The typed config a run recorded (what its workers, and a resumed run, train with)."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(RunLayout(run_dir).config))
-    return OmegaConf.to_object(merged)
+    """The typed config a run recorded (what its workers, and a resumed run, train with). A config.yaml that is
+    not YAML, or not exp's schema, raises ConfigError naming the file."""
+    path = RunLayout(run_dir).config
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as e:  # YAML's, OmegaConf's and the file system's errors: what a damaged file raises
+        raise ConfigError(damaged_config(run_dir, e)) from None
+
+
+def damaged_config(run_dir: Path, e: BaseException) -> str:
+    """The paragraph for a run whose config.yaml cannot be read."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return (
+        f"run={run_dir}: its config.yaml cannot be read ({type(e).__name__}: {first}), so the run's settings are "
+        f"unknown. Fix: restore {RunLayout(run_dir).config} (Hydra's copy of the composed config is "
+        f"{run_dir / '.hydra' / 'config.yaml'}), or pick another run."
+    )
 
 
 def read_resume_record(run_dir: Path) -> dict | None:

@@ -171,7 +171,7 @@ def load_adapter(base, adapter_dir: Path):
         model = PeftModel.from_pretrained(base, str(adapter_dir))
     except RuntimeError as e:
         if "size mismatch" not in str(e):
-            raise
+            raise damaged_adapter(adapter_dir, e) from None
         expected = _adapter_base(adapter_dir)
         first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:300])
         raise ConfigError(
@@ -180,8 +180,29 @@ def load_adapter(base, adapter_dir: Path):
             f"'{base.config.name_or_path}'. Load it with the base it was trained on (model.path=<dir>), or pick the "
             "run that trained this base."
         ) from None
+    except Exception as e:  # a JSON, safetensors or file-system error: a damaged or partial adapter/ file
+        raise damaged_adapter(adapter_dir, e) from None
     model.eval()
     return model
+
+
+def load_tokenizer(adapter_dir: Path):
+    """The tokenizer a run saved next to its adapter."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(adapter_dir))
+    except Exception as e:  # tokenizer.json or tokenizer_config.json cut short or overwritten
+        raise damaged_adapter(adapter_dir, e) from None
+
+
+def damaged_adapter(adapter_dir: Path, e: BaseException) -> ConfigError:
+    """The paragraph for an adapter/ folder whose files cannot be read (cut short, overwritten, not exp's)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return ConfigError(
+        f"run={adapter_dir.parent}: the adapter in {adapter_dir} cannot be read ({type(e).__name__}: {first}). "
+        "Fix: restore adapter/ from a copy, or pick another run."
+    )
 
 
 def _adapter_base(adapter_dir: Path) -> str:
@@ -228,12 +249,10 @@ def load_run(
     device: torch.device | None = None,
 ) -> LoadedRun:
     """The run's 4-bit base (as trained) + its adapter (or a checkpoint's adapter weights), in eval mode."""
-    from transformers import AutoTokenizer
-
     device = device or default_device()
     adapter_dir = adapter_dir_of(run_dir)
     cfg = run_config(run_dir, device, overrides)
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
+    tokenizer = load_tokenizer(adapter_dir)
     model = load_adapter(load_base(cfg, run_dir, device), adapter_dir)
     if ckpt is not None:
         load_checkpoint_adapter(model, ckpt)

@@ -219,6 +219,7 @@ def check_command_line(
 
     for cfg in configs:
         problems += target_problems(cfg, multirun=mode == RunMode.MULTIRUN)
+        problems += name_length_problems(cfg)
         record = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
         assert isinstance(record, dict)
         record.pop("hydra")
@@ -226,6 +227,8 @@ def check_command_line(
         problems += _secret_value_problems(cfg, record)
     key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
     run_dir = _resolved(configs[0], key)
+    if run_dir is not None and any(len(os.fsencode(part)) > NAME_MAX for part in run_dir.parts):
+        return list(dict.fromkeys(problems)), argv  # not a path the file system can look up (named above)
     if run_dir is not None:
         problems += run_dir_problems(key, run_dir)
         # A run never writes into a directory of something else. The ranks of a launch share theirs: one may find
@@ -350,6 +353,28 @@ def _resolved(cfg: Any, key: str) -> Path | None:
     except Exception:  # noqa: BLE001 (e.g. ${hydra:...}, resolvable only once Hydra runs the job)
         return None
     return Path(str(value)) if value else None
+
+
+# The longest file name (one path component) Linux file systems take, in bytes.
+NAME_MAX = 255
+
+
+def name_length_problems(cfg: Any) -> list[str]:
+    """Hydra settings that become a directory or file name longer than the file system takes: Hydra would fail
+    after making the run directory (the job's log file is `<hydra.job.name>.log`), with a traceback."""
+    problems = []
+    for key in NAMED_BY_HYDRA:
+        value = _resolved(cfg, key)
+        if value is None:
+            continue
+        names = [value.name + ".log"] if key == "hydra.job.name" else list(value.parts)
+        if too_long := [n for n in names if len(os.fsencode(n)) > NAME_MAX]:
+            problems.append(
+                f"{key}={str(value)[:60]}...: the name '{too_long[0][:40]}...' is {len(os.fsencode(too_long[0]))} "
+                f"bytes, longer than the file system allows ({NAME_MAX} per file or directory name"
+                f"{', with .log added for the log file' if key == 'hydra.job.name' else ''}). Fix: a shorter name."
+            )
+    return problems
 
 
 def run_dir_problems(key: str, path: Path) -> list[str]:

@@ -98,6 +98,27 @@ def _recorded_config(run_dir: Path) -> dict | None:
         return None
 
 
+def _named_run_config(run_dir: Path, resume: str) -> dict:
+    """The config a named run recorded. Without it nothing says its checkpoint fits this config (a checkpoint of
+    another `lora.r` fails deep in the weight loading), so a missing or damaged config.yaml is refused."""
+    path = RunLayout(run_dir).config
+    try:
+        recorded = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # missing, not YAML, not text
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(
+            f"trainer.resume={resume}: {path} cannot be read ({type(e).__name__}: {first}), so nothing says that "
+            f"the run's checkpoints fit this configuration. Fix: restore it (Hydra's copy of the composed config is "
+            f"{run_dir / '.hydra' / 'config.yaml'}), or start a fresh run."
+        ) from None
+    if not isinstance(recorded, dict) or not {"model", "lora", "trainer"} <= recorded.keys():
+        raise ConfigError(
+            f"trainer.resume={resume}: {path} holds no config of exp.train (no model, lora and trainer). Fix: restore it "
+            f"(Hydra's copy of the composed config is {run_dir / '.hydra' / 'config.yaml'}), or start a fresh run."
+        )
+    return recorded
+
+
 # Hydra's default run directory, `outputs/<date>/<time>` (`_N` for a second launch in the same second).
 DATE_DIR = re.compile(r"\d{4}-\d{2}-\d{2}")
 TIME_DIR = re.compile(r"\d{2}-\d{2}-\d{2}(_\d+)?")
@@ -210,16 +231,14 @@ def resolve(cfg: TrainConfig, cfg_dict: dict, output_dir: Path, launch_dir: Path
                 "continuing it); two processes cannot continue one run. Wait for it to end (its status.json says how "
                 "it ended), then continue the newest run with trainer.resume=auto."
             )
-        recorded = _recorded_config(run)
-        if recorded is not None:
-            diffs = config_differences(recorded, cfg_dict)
-            if diffs:
-                raise ConfigError(
-                    f"trainer.resume={t.resume}: that run was trained with a different configuration, so its "
-                    "checkpoint does not continue this one:\n"
-                    + "\n".join(f"    {d}" for d in diffs)
-                    + "\n  Repeat the run's settings (its config.yaml) with trainer.resume, or start a fresh run."
-                )
+        recorded = _named_run_config(run, t.resume)
+        if diffs := config_differences(recorded, cfg_dict):
+            raise ConfigError(
+                f"trainer.resume={t.resume}: that run was trained with a different configuration, so its "
+                "checkpoint does not continue this one:\n"
+                + "\n".join(f"    {d}" for d in diffs)
+                + "\n  Repeat the run's settings (its config.yaml) with trainer.resume, or start a fresh run."
+            )
     checkpoint, state = first_intact(paths, fallback=t.resume_fallback)
     if checkpoint != paths[0]:
         log.warning("trainer.resume: %s is damaged; falling back to %s", paths[0], checkpoint)

@@ -130,7 +130,11 @@ def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord])
         if not job.runs:
             continue
         assert job.cfg is not None
-        job.memory = job_memory(job.cfg, pool.gpu, pool.headroom, records)
+        try:
+            job.memory = job_memory(job.cfg, pool.gpu, pool.headroom, records)
+        except ConfigError as e:  # what the model build would refuse (a LoRA target it lacks): this job fails alone
+            job.cfg, job.error = None, str(e)
+            continue
         on = "cpu" if job.cfg.hardware.accelerator == Accelerator.cpu else device
         job.time = estimate_time(job.cfg, on, records)
     unknown = [j.name for j in jobs if j.runs and (j.time is None or j.time.job_s is None)]

@@ -144,6 +144,8 @@ class GpuPoolLauncher(Launcher):
         results: list = [None] * len(planned)
         index = {pj.name: i for i, pj in enumerate(jobs)}
         for i, (num, overrides, job_cfg, job) in enumerate(planned):
+            if job.cfg is not None and jobs[i].cfg is None:  # refused by its estimate: fails alone, the rest run
+                job.cfg, job.error = None, jobs[i].error
             if job.reuse is not None or job.cfg is None:
                 results[i] = self._without_gpu(num, overrides, job_cfg, job)
         self.compile_threads = compile_threads(plan.best.most_at_once)
