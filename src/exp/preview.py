@@ -19,7 +19,7 @@ from exp.core.constants import IGNORE_INDEX
 from exp.data.datamodule import InstructionDataModule
 
 DIM, RESET = "\033[2m", "\033[0m"
-TOOL = Tool("exp.preview", __doc__, (Key("n", 3, "training examples to print"),), hydra=True)
+TOOL = Tool("exp.preview", __doc__, (Key("n", 3, "training examples to print", at_least=1),), hydra=True)
 
 
 def render_tokens(tokenizer: Any, input_ids: list[int], labels: list[int], color: bool = False) -> str:

@@ -11,6 +11,8 @@ No argparse: its `--flag value` style is the one exp does not use, and its messa
 from __future__ import annotations
 
 import difflib
+import errno
+import math
 import sys
 import textwrap
 from collections.abc import Callable
@@ -45,6 +47,12 @@ class Key:
     split: bool = True
     hidden: bool = False  # internal (a worker process's argument): not in --help
     placeholder: str = ""  # what --help shows after `name=` (default: from the type)
+    # Bounds of a number (`above`: strictly greater); a float is always finite. `name_only`: a file name the tool
+    # writes inside a directory of its own choosing, so no '/'.
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    name_only: bool = False
 
     @property
     def type(self) -> type:
@@ -185,7 +193,26 @@ def _typed(tool: str, key: Key, value: str) -> Any:
         raise UsageError(
             f"{tool}: {key.name}={value}: not one of {', '.join(key.choices)}. Fix: e.g. {key.name}={key.choices[0]}."
         )
+    if problem := _out_of_bounds(key, typed):
+        example = _shown(key.default) if key.default not in (None, "", []) else "..."
+        raise UsageError(f"{tool}: {key.name}={value}: {problem} ({key.help}). Fix: e.g. {key.name}={example}.")
     return typed
+
+
+def _out_of_bounds(key: Key, typed: Any) -> str:
+    """What is wrong with a value of the right type ('' when nothing)."""
+    if isinstance(typed, float) and not math.isfinite(typed):
+        return "expected a finite number"
+    if isinstance(typed, (int, float)) and not isinstance(typed, bool):
+        if key.at_least is not None and typed < key.at_least:
+            return f"must be at least {key.at_least:g}"
+        if key.above is not None and typed <= key.above:
+            return f"must be greater than {key.above:g}"
+        if key.at_most is not None and typed > key.at_most:
+            return f"must be at most {key.at_most:g}"
+    if key.name_only and isinstance(typed, str) and ("/" in typed or typed in (".", "..") or "\0" in typed):
+        return "a name, not a path (no '/'): the tool chooses the directory it goes into"
+    return ""
 
 
 def _key_for(tool: Tool, name: str) -> str | None:
@@ -252,3 +279,36 @@ def run_tool(tool: Tool, body: Callable[[Parsed], int | None], argv: list[str] |
     except ConfigError as e:
         print(f"exp: error: {e}", file=sys.stderr)
         return USAGE_EXIT
+    except OSError as e:
+        if (message := os_error_message(tool.name, e)) is None:
+            raise
+        print(f"exp: error: {message}", file=sys.stderr)
+        return USAGE_EXIT
+
+
+# The file-system errors that are the machine's or the argument's, not exp's: each gets one paragraph.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: `ulimit -f` (Python ignores SIGXFSZ, so write fails)
+
+
+def os_error_message(name: str, e: OSError) -> str | None:
+    """The paragraph for an OSError that bad input or a full disk raises (None: a bug, to be raised as it is)."""
+    path = e.filename or "the output directory"
+    if e.errno in NO_SPACE:
+        return (
+            f"{name}: no space left on {path} ({e.strerror}: the disk is full, a quota or `ulimit -f` is reached). "
+            "Files exp replaces are written whole, so what was there before is intact. Fix: free space (or raise the "
+            "limit), or write elsewhere, then run the command again."
+        )
+    if e.errno == errno.ENAMETOOLONG:
+        return (
+            f"{name}: {path}: a file name longer than the file system allows ({e.strerror}). Fix: a shorter name "
+            "(at most 255 bytes per path component)."
+        )
+    if e.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        return (
+            f"{name}: {path}: {e.strerror} (a file stands where a directory is needed, or a directory where a file "
+            "is). Fix: name another path."
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{name}: {path}: {e.strerror}. Fix: name a path you can write, or fix its permissions."
+    return None

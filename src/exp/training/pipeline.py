@@ -341,10 +341,12 @@ def exit_on_known_error(e: BaseException) -> None:
     if isinstance(e, TrainingFault):
         print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(1)
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        # The disk, not the run: every file is written atomically, so what was written before is intact.
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        # The disk, not the run: every file is written atomically, so what was written before is intact. EFBIG is
+        # `ulimit -f` (Python ignores SIGXFSZ, so the write fails instead of the process being killed).
+        reason = "No space left (the file-size limit, ulimit -f, is reached)" if e.errno == errno.EFBIG else e.strerror
         print(
-            f"exp: error: {e.strerror} while writing {e.filename or 'the run directory'}. Nothing written before was "
+            f"exp: error: {reason} while writing {e.filename or 'the run directory'}. Nothing written before was "
             "lost (files are replaced whole). Free space (or use a writable disk: hydra.run.dir=...), then continue "
             "with trainer.resume=auto.",
             file=sys.stderr,
