@@ -107,6 +107,12 @@ CASES = [
     ),
     ("run-dir-is-a-file", ["hydra.run.dir={file}"], "is an existing file, not a directory", "hydra.run.dir="),
     ("run-dir-below-a-file", ["hydra.run.dir={file}/run"], "is an existing file", "/run."),
+    (
+        "arch-key-without-plus",
+        ["model.arch.vocab_size=300"],
+        "model.arch.vocab_size: not a key of model.arch yet",
+        "add it with +model.arch.vocab_size=",
+    ),
     # Names over the file system's limit (255 bytes): Hydra would fail after making the run directory.
     ("run-dir-name-too-long", ["hydra.run.dir=outputs/" + "a" * 300], "is 300 bytes, longer than", "a shorter name"),
     ("job-name-too-long", ["hydra.job.name=" + "j" * 300], "is 304 bytes, longer than", "with .log added"),

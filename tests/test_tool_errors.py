@@ -213,3 +213,19 @@ def test_report_out_a_file_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"exp: error: exp.report: {tmp_path / 'f'}: File exists" in err and "Fix: name another path" in err, err
     shutil.rmtree(run)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"layer_types": ["x"]}, "transformers' GemmaConfig refuses it (StrictDataclassClassValidationError: "),
+        ({"rope_scaling": {"rope_type": "foo"}}, "model.arch="),
+    ],
+)
+def test_an_architecture_transformers_rejects_is_a_config_error(extra, message):
+    from exp.core.config import TINY_ARCH, ModelFamily
+    from exp.model.local import build_random_checkpoint
+
+    with pytest.raises(ConfigError, match="Fix the architecture fields") as e:
+        build_random_checkpoint(ModelFamily.gemma, {**TINY_ARCH, "num_hidden_layers": 1, **extra}, 0)
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -110,10 +110,11 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         fields.update(pad_token_id=0, eos_token_id=1, bos_token_id=2)
         try:
             config = _config_class(family)(**fields)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # TypeError, ValueError, huggingface_hub's validation errors: the fields only
             raise ConfigError(
-                f"model.arch={arch}: transformers' {_config_class(family).__name__} refuses it ({e}). Fix the "
-                "architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+                f"model.arch={arch}: transformers' {_config_class(family).__name__} refuses it "
+                f"({type(e).__name__}: {' '.join(str(e).split())}). Fix the architecture fields, e.g. as in "
+                "conf/model/gemma_tiny.yaml"
             ) from None
         # From the config object: arch may leave any of these to the family's defaults.
         hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or 64
@@ -136,10 +137,12 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
                     torch.cuda.manual_seed(seed)
                 try:
                     model = _model_class(family)(config)
-                except (RuntimeError, ValueError, ZeroDivisionError) as e:  # shapes that do not fit together
+                # Shapes that do not fit together; KeyError: a rope_scaling type transformers does not know.
+                except (RuntimeError, ValueError, ZeroDivisionError, KeyError, TypeError, IndexError) as e:
                     raise ConfigError(
                         f"model.arch={arch}: building {_model_class(family).__name__} failed ({type(e).__name__}: "
-                        f"{e}). Fix the architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
+                        f"{' '.join(str(e).split())}). Fix the architecture fields, e.g. as in "
+                        "conf/model/gemma_tiny.yaml"
                     ) from None
         finally:
             torch.set_default_dtype(previous)

@@ -418,6 +418,8 @@ def composition_error(e: Exception, overrides: list[str]) -> str:
         example = _example(key) if key else None
         if example:
             message += f". Fix: give {key} a value of its type, e.g. {example}."
+        elif key and "not in struct" in text:  # a key new to a free-form mapping (model.arch.vocab_size=...)
+            message = f"{key}: not a key of {key.rpartition('.')[0] or 'the config'} yet. Fix: add it with +{key}=..."
     for secret in secret_values(overrides):
         message = message.replace(secret, REDACTED)
     return message
