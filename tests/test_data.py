@@ -213,6 +213,18 @@ def test_preview_exits_2_on_bad_input_and_reports_packing(tmp_path, capsys):
     assert "packed row 0" in out and "% of slots filled" in out
 
 
+def test_preview_warns_of_a_split_smaller_than_one_batch(capsys):
+    from exp.preview import main
+
+    # 40 examples, 10% held out: 36 to train on and 4 to validate on, with 8 examples per optimiser step.
+    assert main(["n=1", "data.num_examples=40", "trainer.global_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the validation split holds 4 example(s), fewer than one batch (trainer.global_batch_size=8)" in out
+    assert "warning: the train split" not in out
+    assert main(["n=1", "data.num_examples=400", "trainer.global_batch_size=8"]) == 0
+    assert "fewer than one batch" not in capsys.readouterr().out
+
+
 @pytest.mark.shared_data("alpaca_en_demo.json")
 @pytest.mark.slow
 def test_real_alpaca_file_trains_from_a_relative_path(tmp_path, monkeypatch):

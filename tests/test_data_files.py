@@ -194,3 +194,39 @@ def test_file_names_with_glob_characters_are_literal(tmp_path, name):
     (tmp_path / "set1.jsonl").write_text(json.dumps(rows[0]))  # what `set[1]` would match as a pattern
     ds = _read_files([path], str(path), "data.path")
     assert len(ds) == 5 and ds[4]["output"] == "number 4"
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("data.path=alpaca_dmo.jsonl", "no such file or directory. Did you mean data.path=alpaca_demo.jsonl?"),
+        ("data.path=columns.jsonl", "no column 'instruction', 'output' (needed by data.format=alpaca)"),
+    ],
+)
+def test_a_data_path_or_column_mistake_is_refused_before_torch_loads(arg, message, tmp_path):
+    """Checked with the command line, before Hydra starts: `-X importtime` lists every module imported by then."""
+    import subprocess
+    import sys
+
+    (tmp_path / "alpaca_demo.jsonl").write_text('{"instruction": "a", "input": "", "output": "b"}\n')
+    (tmp_path / "columns.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "exp.train", "data=alpaca", arg],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and "torch" not in imported and "datasets" not in imported
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_missing_file_names_the_nearest_file_of_its_directory(tmp_path):
+    from exp.data.files import missing_path
+
+    (tmp_path / "train_set.jsonl").write_text("{}\n")
+    text = missing_path(str(tmp_path / "trian_set.jsonl"), "data.path", tmp_path / "trian_set.jsonl")
+    assert f"Did you mean data.path={tmp_path / 'train_set.jsonl'}?" in text
+    assert "Did you mean" not in missing_path("zzz.csv", "data.path", tmp_path / "zzz.csv")

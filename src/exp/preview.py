@@ -57,8 +57,9 @@ def _dist(values: list[int]) -> str:
     return f"min {min(values)}, median {statistics.median(values):.0f}, p95 {q[18]:.0f}, max {max(values)}"
 
 
-def report(dm: InstructionDataModule, n: int, color: bool = False) -> str:
-    """The preview text: `n` training examples as the model sees them, then the statistics."""
+def report(dm: InstructionDataModule, n: int, color: bool = False, batch_size: int = 0) -> str:
+    """The preview text: `n` training examples as the model sees them, then the statistics; a warning for each
+    split that holds fewer examples than one batch (`batch_size`, trainer.global_batch_size)."""
     cfg, tok = dm.cfg, dm.tokenizer
     lines = [
         f"exp.preview: data.format={cfg.format.value} source={cfg.path or cfg.hub_id or 'synthetic'} "
@@ -102,6 +103,17 @@ def report(dm: InstructionDataModule, n: int, color: bool = False) -> str:
             f"  packing           {tr['packed_rows']} rows of {cfg.max_seq_len} from {tr['kept']} examples, "
             f"{100 * tr['packing_efficiency']:.1f}% of slots filled"
         )
+    for split, kept in (("train", tr["kept"]), ("validation", va["kept"])):
+        if kept < batch_size:
+            lines.append(
+                f"warning: the {split} split holds {kept} example(s), fewer than one batch "
+                f"(trainer.global_batch_size={batch_size}): "
+                + (
+                    "each optimiser step repeats examples. Add data, or lower trainer.global_batch_size."
+                    if split == "train"
+                    else "every validation scores these few examples. Raise data.val_size or give data.val_path."
+                )
+            )
     return "\n".join(lines)
 
 
@@ -120,7 +132,7 @@ def _preview(args: Parsed) -> int:
     tokenizer = build_tokenizer(cfg.model)
     step_micro_batches = cfg.accumulate_grad_batches * cfg.data_parallel_size
     dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, step_micro_batches)
-    print(report(dm, args.values["n"], color=sys.stdout.isatty()))
+    print(report(dm, args.values["n"], color=sys.stdout.isatty(), batch_size=cfg.trainer.global_batch_size))
     return 0
 
 

@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, Sampler
 from exp.core.cache import cache_dir, ensure_entry
 from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat, LengthGrouping, TrainConfig
 from exp.core.constants import IGNORE_INDEX
-from exp.data.files import READERS, diagnose, list_files
-from exp.data.formats import BadRow, Rendered, field_key, format_prompt, render_row, required_columns
+from exp.data.files import READERS, diagnose, list_files, missing_columns
+from exp.data.formats import BadRow, Rendered, format_prompt, render_row
 from exp.data.packing import Packed, concatenate, pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, row_length
 from exp.data.synthetic import generate_examples
@@ -223,14 +223,8 @@ def check_columns(cfg: DataConfig, source: Source) -> None:
     columns = source.rows.column_names
     if len(source.rows) == 0:
         raise ConfigError(f"{source.name}: the dataset is empty (0 rows); point data.path at a file with examples")
-    missing = [c for c in required_columns(cfg) if c not in columns]
-    if missing:
-        fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
-        raise ConfigError(
-            f"{source.name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format="
-            f"{cfg.format.value}); the data has columns {columns}. Map yours with e.g. {fixes}, or pick "
-            "the data.format that matches the file."
-        )
+    if problem := missing_columns(cfg, source.name, columns):
+        raise ConfigError(problem)
 
 
 def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp: str):

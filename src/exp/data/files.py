@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import codecs
 import csv
+import difflib
 import io
 import json
 from pathlib import Path
 from typing import Any
 
-from exp.core.config import ConfigError
+from exp.core.config import ConfigError, DataConfig
 
 # `datasets` builders by file suffix.
 READERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -36,10 +37,7 @@ def list_files(path_str: str, key: str) -> list[Path]:
     """The data files `key` names (a file, or the supported files of a directory, hidden ones skipped), checked."""
     path = Path(path_str).expanduser()
     if not path.exists():
-        raise ConfigError(
-            f"{key}={path_str}: no such file or directory. Relative paths are resolved against the directory "
-            "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
-        )
+        raise ConfigError(missing_path(path_str, key, path))
     if not (path.is_dir() or path.is_file()):  # a FIFO or a device would block the reader, or never end
         raise ConfigError(
             f"{key}={path_str}: not a regular file or a directory (a pipe, a socket or a device). Point {key} at a "
@@ -75,6 +73,65 @@ def list_files(path_str: str, key: str) -> list[Path]:
     if len(empty) == len(files):
         raise ConfigError(f"{key}={path_str}: the data is empty ({', '.join(empty)}); point {key} at examples")
     return files
+
+
+def missing_path(path_str: str, key: str, path: Path) -> str:
+    """The paragraph for a data path that does not exist, with the nearest name in its directory when one is close."""
+    names = sorted(p.name for p in path.parent.iterdir()) if path.parent.is_dir() else []
+    close = difflib.get_close_matches(path.name, names, n=1)
+    hint = f" Did you mean {key}={path.parent / close[0] if path_str != path.name else close[0]}?" if close else ""
+    return (
+        f"{key}={path_str}: no such file or directory.{hint} Relative paths are resolved against the directory "
+        "exp.train was launched from; pass an absolute path or launch from the data's parent directory."
+    )
+
+
+def missing_columns(cfg: DataConfig, name: str, columns: list[str]) -> str | None:
+    """The paragraph for data without the columns `data.format` reads (as mapped by `data.<name>_field`)."""
+    from exp.data.formats import field_key, required_columns
+
+    missing = [c for c in required_columns(cfg) if c not in columns]
+    if not missing:
+        return None
+    fixes = ", ".join(f"{field_key(cfg, c)}=<column>" for c in missing)
+    return (
+        f"{name}: no column {', '.join(repr(c) for c in missing)} (needed by data.format={cfg.format.value}); the "
+        f"data has columns {columns}. Map yours with e.g. {fixes}, or pick the data.format that matches the file."
+    )
+
+
+def early_problems(cfg: DataConfig, launch_dir: Path) -> list[str]:
+    """What can be said of data.path / data.val_path before anything heavy loads (exp.run.overrides runs this before
+    Hydra starts, so a typo costs no torch import): a path that does not exist, and a JSONL or CSV file whose first
+    row lacks a column the format reads. The full checks (`list_files`, the reader) run later all the same."""
+    problems = []
+    for key in ("data.path", "data.val_path"):
+        path_str = getattr(cfg, key.split(".")[1])
+        if not path_str:
+            continue
+        path = Path(path_str).expanduser()
+        path = path if path.is_absolute() else launch_dir / path
+        if not path.exists():
+            problems.append(missing_path(path_str, key, path))
+        elif path.is_file() and (columns := _first_row_columns(path)) is not None:
+            if problem := missing_columns(cfg, str(path), columns):
+                problems.append(problem)
+    return problems
+
+
+def _first_row_columns(path: Path) -> list[str] | None:
+    """The columns of a JSONL or CSV file's first row (None: another kind of file, or one its reader will judge)."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            if path.suffix == ".csv":
+                return next(csv.reader(f), None)
+            if path.suffix == ".jsonl":
+                line = next((line for line in f if line.strip()), "")
+                row = json.loads(line) if line else None
+                return list(row) if isinstance(row, dict) else None
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: list_files and the reader say which
+        return None
+    return None
 
 
 def check_file(path: Path, key: str) -> bool:

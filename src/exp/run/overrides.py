@@ -225,6 +225,7 @@ def check_command_line(
         record.pop("hydra")
         problems += unknown_keys(record)
         problems += _secret_value_problems(cfg, record)
+        problems += _data_problems(cfg)
     key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
     run_dir = _resolved(configs[0], key)
     if run_dir is not None and any(len(os.fsencode(part)) > NAME_MAX for part in run_dir.parts):
@@ -251,6 +252,18 @@ def check_command_line(
                 f"run with trainer.resume={run_dir} and a new hydra.run.dir."
             ], argv
     return [], argv  # a new directory, or another rank of this launch got there first
+
+
+def _data_problems(cfg: DictConfig) -> list[str]:
+    """A data path that does not exist or a file without the format's columns, found before torch loads."""
+    from exp.core.config import DataConfig
+    from exp.data.files import early_problems
+
+    try:
+        data = OmegaConf.to_object(cfg.data)
+    except Exception:  # noqa: BLE001 (an unresolvable value: the typed config names it later)
+        return []
+    return early_problems(data, Path.cwd()) if isinstance(data, DataConfig) else []
 
 
 def with_run_dir(argv: list[str], run_dir: Path) -> list[str]:
