@@ -61,6 +61,7 @@ class JobRow:
     peak_memory_gib: float | None = None
     error: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train/loss)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, val/loss)
     has_csv: bool = False  # csv/metrics.csv exists
     log_every: int | None = None  # trainer.log_every_n_steps of the run's config.yaml
     validated_on: str | None = None  # what its val/* metrics were measured on (summary.json's data.validated_on)
@@ -129,6 +130,8 @@ def _read_metrics(row: JobRow, path: Path, metric: str) -> None:
                     values.append(float(r[metric]))
                 if r.get("train/loss"):
                     row.curve.append((int(r["step"]), float(r["train/loss"])))
+                if r.get("val/loss"):
+                    row.val_curve.append((int(r["step"]), float(r["val/loss"])))
     finally:  # the rows before a damaged one still count
         if values:
             row.best, row.final = min(values), values[-1]
@@ -235,20 +238,26 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        if r.curve:
-            # A curve of one or two points (a run shorter than its logging interval) would be an invisible line.
-            marker = "o" if len(r.curve) < 3 else None
-            ax.plot(*zip(*r.curve, strict=True), marker=marker, label=f"{_job_label(r.name)} ({r.status})")
-    ax.set(xlabel="step", ylabel="train/loss", title="training loss per job")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    else:
-        _say_empty(ax, missing_curves(rows))
-    fig.savefig(out / "loss_curves.png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    written.append(out / "loss_curves.png")
+    swept = swept_keys(rows)
+    for attr, name, title in (
+        ("curve", "train/loss", "training loss per job"),
+        ("val_curve", "val/loss", "validation loss per job"),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for r in rows:
+            if curve := getattr(r, attr):
+                # A curve of one or two points (a run shorter than its logging interval) would be an invisible line.
+                marker = "o" if len(curve) < 3 else None
+                ax.plot(*zip(*curve, strict=True), marker=marker, label=curve_label(r, swept))
+        ax.set(xlabel="step", ylabel=name, title=title)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            _say_empty(ax, missing_curves(rows) if attr == "curve" else ["no validation-loss points"])
+        path = out / ("loss_curves.png" if attr == "curve" else "val_loss_curves.png")
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
     done = [r for r in rows if r.final is not None]
     for key in [k for k in swept_keys(rows) if k not in SEED_KEYS]:  # a seed is no parameter to plot against
         points = [(r.overrides.get(key), r.final) for r in done if key in r.overrides]
@@ -260,11 +269,25 @@ def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.scatter(xs, [y for _, y in points])
         ax.set(xlabel=key, ylabel=f"final {metric}", title=f"{metric} vs {key}")
+        if log_axis(key, xs):
+            ax.set_xscale("log")
         name = out / f"{metric.replace('/', '_')}_vs_{key.replace('/', '_')}.png"
         fig.savefig(name, dpi=100, bbox_inches="tight")
         plt.close(fig)
         written.append(name)
     return written
+
+
+def curve_label(row: JobRow, swept: list[str]) -> str:
+    """A curve's legend entry: the job, the values it was run with, its status (`3 lora.r=8 (completed)`)."""
+    values = " ".join(f"{k}={row.overrides[k]}" for k in swept if k in row.overrides)
+    return f"{_job_label(row.name) if swept else row.name}{' ' + values if values else ''} ({row.status})"
+
+
+def log_axis(key: str, xs: list[float]) -> bool:
+    """Learning rates (and other positive values spanning 10x or more) are compared on a log axis."""
+    positive = bool(xs) and all(isinstance(x, float) and x > 0 for x in xs)
+    return positive and ("learning_rate" in key or key.endswith(".lr") or max(xs) / min(xs) >= 10)
 
 
 def _say_empty(ax, notes: list[str]) -> None:
