@@ -229,3 +229,24 @@ def test_an_architecture_transformers_rejects_is_a_config_error(extra, message):
     with pytest.raises(ConfigError, match="Fix the architecture fields") as e:
         build_random_checkpoint(ModelFamily.gemma, {**TINY_ARCH, "num_hidden_layers": 1, **extra}, 0)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bench_refuses_an_unknown_lora_target_before_any_worker(tmp_path, capsys):
+    from exp.bench import main
+
+    argv = ["model=gemma_tiny", "lora_targets=qv_proj", "steps=2", "warmup=0", "device=cpu", f"out_dir={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exp: error: exp.bench: lora.target_modules=['qv_proj']: ['qv_proj'] match no linear layer" in err, err
+    assert not list(tmp_path.iterdir())  # no result file, no worker run
+
+
+def test_bench_says_a_model_is_too_big_for_this_machine_before_building_it():
+    from exp.bench import cpu_memory_problem
+
+    huge = {"vocab_size": 256000, "hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 512}
+    problem = cpu_memory_problem("huge", {**huge, "num_attention_heads": 64, "head_dim": 1024})
+    assert problem.startswith("model=huge: its random weights alone take ") and "GiB available" in problem, problem
+    assert "Fix: a smaller model" in problem
+    assert cpu_memory_problem("tiny", {**huge, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "head_dim": 8}) == ""  # fmt: skip

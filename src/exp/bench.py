@@ -875,6 +875,26 @@ def bench_tool() -> Tool:
     )
 
 
+def cpu_memory_problem(model: str, arch: dict[str, Any]) -> str:
+    """Why a model's random weights would not fit this machine's free memory ('' when they do): each variant's
+    worker draws them in bf16 before quantizing, and the OOM killer ends a process that asks for more, silently."""
+    from exp.hardware.memory import base_param_count
+
+    need = 2 * base_param_count(arch)
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M).group(1)) * 1024
+    except (OSError, AttributeError):  # not Linux: nothing to go on
+        return ""
+    if need <= free:
+        return ""
+    return (
+        f"model={model}: its random weights alone take {need / 2**30:.1f} GiB (bf16) and this machine has "
+        f"{free / 2**30:.1f} GiB available, so the operating system would kill the bench. Fix: a smaller model "
+        "(model=gemma_tiny), or device=cuda on a GPU."
+    )
+
+
 def parse_args(argv: list[str]) -> SimpleNamespace:
     """The bench's `key=value` arguments, checked; its exp overrides are `.overrides`."""
     parsed = parse(bench_tool(), argv)
@@ -907,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-    from exp.hardware.memory import config_arch
+    from exp.hardware.memory import config_arch, lora_param_count
     from exp.run.compose import compose_config
     from exp.run.tracking import _git_state
 
@@ -925,6 +945,9 @@ def main(argv: list[str] | None = None) -> int:
                         a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data,
                         a.profile)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
+        lora_param_count(config_arch(cfg), a.lora_r, targets)  # a target the model lacks, before any worker starts
+        if device == "cpu" and (problem := cpu_memory_problem(a.model, config_arch(cfg))):
+            raise ConfigError(problem)
     except (ValueError, ConfigError) as e:
         print(f"exp: error: exp.bench: {e}", file=sys.stderr)
         return USAGE_EXIT

@@ -222,6 +222,13 @@ def _normalise_targets(targets: Sequence[str] | str) -> list[str]:
     return out
 
 
+def base_param_count(arch: Mapping[str, Any]) -> int:
+    """Weights of the base: the (tied) embedding and every decoder projection (norms are negligible)."""
+    shape = _shape(arch)
+    per_layer = sum(n_in * n_out for n_in, n_out in shape.linear_shapes().values())
+    return shape.vocab * shape.hidden + shape.layers * per_layer
+
+
 def lora_param_count(arch: Mapping[str, Any], lora_r: int, lora_targets: Sequence[str] | str) -> int:
     """Number of LoRA parameters: r x (in + out) per targeted Linear (A is r x in, B is out x r), every layer."""
     shape = _shape(arch)
@@ -709,6 +716,7 @@ __all__ = [
     "MemoryEstimate",
     "config_arch",
     "estimate_for_config",
+    "base_param_count",
     "estimate_memory",
     "fewest_checkpoint_layers",
     "largest_micro_batch",
