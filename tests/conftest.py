@@ -1,10 +1,12 @@
 """Shared test setup: a private model cache, GPU tests skipped without CUDA, the signal state restored around each
-test, and one short tiny run (the tests that read it are marked slow here)."""
+test, one short tiny run (the tests that read it are marked slow here) and the README's default run."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -146,3 +148,27 @@ def short_run(tmp_path_factory: pytest.TempPathFactory):
 
     out = tmp_path_factory.mktemp("short_run") / "run"
     return run(SHORT, output_dir=out)
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The README's default run, `python -m exp.train` with no override but the run directory, as a user on a
+    machine that never ran `wandb login` launches it: no WANDB_* variable, a HOME with no ~/.netrc, an empty launch
+    directory. One run (minutes on a CPU) for the tests that check what it learns and how it tracks: (the process,
+    its run directory, the directory it was launched from)."""
+    root = tmp_path_factory.mktemp("default_run")
+    launch, home, run_dir = root / "launch", root / "home", root / "run"
+    launch.mkdir()
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(home)
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", f"hydra.run.dir={run_dir}"],
+        cwd=launch,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc, run_dir, launch

@@ -9,10 +9,7 @@ offline (those appear only once the run is synced), so config and summary are re
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from exp.core.secrets import REDACTED, redact
 from exp.run.tracking import resolve_wandb_mode
 
 FAKE_SECRETS = {"HF_TOKEN": "hf_FAKESECRET123", "MY_SERVICE_PASSWORD": "pw_FAKESECRET456"}
-WANDB_SHORT = SHORT + ["logger=wandb", "trainer.max_steps=5", "trainer.val_every_n_steps=5"]
+WANDB_SHORT = SHORT + ["logger=wandb", "trainer.max_steps=5", "trainer.val_every_n_steps=5", "data.num_examples=120"]
 
 
 # --- reading an offline run ------------------------------------------------------------------------------------
@@ -256,35 +253,19 @@ def test_wandb_mode_offline_in_the_environment_wins(no_credentials, monkeypatch:
 
 
 @pytest.mark.slow
-def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
-    launch, home = tmp_path / "launch", tmp_path / "home"
-    launch.mkdir()
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(home)  # no ~/.netrc: a machine that never ran `wandb login`
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "exp.train",
-        "trainer.max_steps=3",
-        "trainer.warmup_steps=0",
-        "trainer.val_every_n_steps=3",
-        "trainer.log_every_n_steps=1",
-        "data.num_examples=200",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=launch, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240
-    )
+def test_cli_default_runs_offline_without_prompting(default_run):
+    # conftest's `default_run`: `python -m exp.train` as the README gives it, no WANDB_* variable, a HOME with no
+    # ~/.netrc (a machine that never ran `wandb login`); test_default_run reads what the same run learned.
+    proc, run_dir, launch = default_run
+    steps = compose_typed([]).trainer
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb")), list((run_dir / "wandb").iterdir())
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
-    assert "3 steps" in proc.stdout
+    assert f"{steps.max_steps} steps" in proc.stdout
     output = proc.stdout + proc.stderr
     assert "Create a W&B account" not in output and "Enter your choice" not in output  # W&B's login prompt
-    assert not (launch / "wandb").exists() and not (launch / "outputs").exists()
+    assert list(launch.iterdir()) == []  # no wandb/, no outputs/: nothing lands where the run was launched
     # The console is concise: no Lightning or W&B boilerplate; the step-0 evaluation is named as such.
     assert "GPU available" not in output and "wandb: WARNING" not in output and "v_num" not in output
     assert "Step-0 evaluation" in proc.stdout and "Sanity Checking" not in proc.stdout
@@ -292,9 +273,12 @@ def test_cli_default_runs_offline_without_prompting(tmp_path: Path):
     log = (run_dir / "train.log").read_text()
     assert "GPU available: False" in log and "W&B: offline run" in log
     assert "step 0: val/exact_match=0" in log  # the step-0 evaluation
-    for step in (1, 2, 3):
-        assert f"step {step}: train/grad_norm=" in log and "train/loss=" in log
-    assert "step 3: val/exact_match=" in log and "summary\nexp: 3 steps in" in log and "adapter " in log
+    every = steps.log_every_n_steps
+    for step in range(every, steps.max_steps + 1, every):
+        assert f"step {step}: train/grad_norm=" in log, step
+    assert "train/loss=" in log
+    assert f"step {steps.max_steps}: val/exact_match=" in log
+    assert f"summary\nexp: {steps.max_steps} steps in" in log and "adapter " in log
 
 
 def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch, caplog):

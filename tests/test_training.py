@@ -236,7 +236,7 @@ def test_unknown_target_module_lists_the_available_names():
 
 @pytest.mark.slow
 def test_two_runs_in_one_process_do_not_leak_state(tmp_path):
-    overrides = SHORT + ["trainer.max_steps=5", "trainer.val_every_n_steps=5", "logger=wandb"]
+    overrides = SHORT + ["trainer.max_steps=5", "trainer.val_every_n_steps=5", "data.num_examples=120", "logger=wandb"]
     first = run(overrides, output_dir=tmp_path / "a")
     import wandb
 
