@@ -878,7 +878,7 @@ def bench_tool() -> Tool:
 def cpu_memory_problem(model: str, arch: dict[str, Any]) -> str:
     """Why a model's random weights would not fit this machine's free memory ('' when they do): each variant's
     worker draws them in bf16 before quantizing, and the OOM killer ends a process that asks for more, silently."""
-    from exp.hardware.memory import base_param_count
+    from exp.hardware.memory import base_param_count  # loaded with the measuring code, not for --help
 
     need = 2 * base_param_count(arch)
     try:

@@ -1,5 +1,10 @@
 """Values several layers agree on, kept where every layer may read them (and none needs torch to)."""
 
+from pathlib import Path
+
+# The Hydra config tree of the checkout (conf/): composed by exp.run.compose, read as YAML by the preflight.
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+
 # The label cross-entropy skips: prompt tokens and padding (the data writes it, the losses and metrics read it).
 IGNORE_INDEX = -100
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exp.core.config import ConfigError, DataConfig
+from exp.data.formats import field_key, required_columns
 
 # `datasets` builders by file suffix.
 READERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -88,8 +89,6 @@ def missing_path(path_str: str, key: str, path: Path) -> str:
 
 def missing_columns(cfg: DataConfig, name: str, columns: list[str]) -> str | None:
     """The paragraph for data without the columns `data.format` reads (as mapped by `data.<name>_field`)."""
-    from exp.data.formats import field_key, required_columns
-
     missing = [c for c in required_columns(cfg) if c not in columns]
     if not missing:
         return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from exp.core.config import (
     Accelerator,
+    HardwareConfig,
     LossImpl,
     ModelFamily,
     QuantType,
@@ -28,7 +29,7 @@ from exp.core.config import (
     batch_problems,
     config_problems,
 )
-from exp.core.constants import LAUNCH_ID_ENV
+from exp.core.constants import CONF_DIR, LAUNCH_ID_ENV
 from exp.hardware.memory import (
     GiB,
     config_arch,
@@ -434,8 +435,6 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
 def _as_cpu(cfg: TrainConfig) -> str:
     """Give `cfg.hardware` the values of hardware=cpu wherever it holds the GPU defaults that hardware=auto inherits
     (conf/hardware/auto.yaml); a value set on the command line stays. Says which fields changed (" (a: x -> y)")."""
-    from exp.core.config import HardwareConfig
-
     cpu, hw = HardwareConfig(), cfg.hardware
     changed = []
     for name, auto_value in _auto_group_values().items():
@@ -454,9 +453,7 @@ def _shown(value: object) -> str:
 def _auto_group_values() -> dict[str, object]:
     """conf/hardware/auto.yaml as composed (its defaults list first), read as YAML: the preflight runs inside Hydra,
     where composing another config would replace the running one."""
-    import yaml
-
-    from exp.run.compose import CONF_DIR
+    import yaml  # only for hardware=auto on a CPU
 
     def values(name: str) -> dict[str, object]:
         text = yaml.safe_load((CONF_DIR / "hardware" / f"{name}.yaml").read_text()) or {}

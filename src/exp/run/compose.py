@@ -13,11 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
+from exp.core.constants import CONF_DIR
 from exp.core.secrets import secret_value_problems
 from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
 from exp.run.overrides import check_cli_overrides
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 register_configs()
 # conf/train.yaml names a sweep job's directory with it (hydra.sweep.subdir).
 if not OmegaConf.has_resolver("exp.job_dir"):

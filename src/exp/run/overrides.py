@@ -256,6 +256,7 @@ def check_command_line(
 
 def _data_problems(cfg: DictConfig) -> list[str]:
     """A data path that does not exist or a file without the format's columns, found before torch loads."""
+    # Only when the command line names data; both are torch-free (this check runs before torch loads).
     from exp.core.config import DataConfig
     from exp.data.files import early_problems
 
