@@ -117,16 +117,18 @@ def test_ctrl_c_during_training_checkpoints_at_the_next_step(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_a_signal_in_the_final_validation_leaves_a_checkpoint_of_the_last_step_to_finish_from(tmp_path, monkeypatch):
+    # The last step (5) is not a validation step of fit (4), so the final validation runs after fit.
+    ends_between_validations = [*RUN, "trainer.val_every_n_steps=4"]
     with monkeypatch.context() as m:
         final = lambda self, *a: self.trainer.state.fn == "validate"  # noqa: E731
         signal_at(m, QLoRAModule, "validation_step", signal.SIGTERM, final)
         with pytest.raises(Preempted) as info:
-            run(RUN, output_dir=tmp_path / "first")
+            run(ends_between_validations, output_dir=tmp_path / "first")
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert str(info.value).startswith(f"stopped by SIGTERM during the final validation; checkpoint {last}")
     assert status(tmp_path / "first")["status"] == "preempted" and not (tmp_path / "first" / "adapter").exists()
     assert torch.load(last, weights_only=True)["global_step"] == 5  # the final step, not the periodic step 4
-    result = run([*RUN, f"trainer.resume={tmp_path / 'first'}"], output_dir=tmp_path / "second")
+    result = run([*ends_between_validations, f"trainer.resume={tmp_path / 'first'}"], output_dir=tmp_path / "second")
     summary = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["resumed_from"]["checkpoint"] == str(last)
     assert (result.adapter_dir / "adapter_model.safetensors").exists()
