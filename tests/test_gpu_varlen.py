@@ -43,21 +43,11 @@ def test_cuda_varlen_equals_per_example_sdpa(heads, kv_heads, head_dim, window):
 
 
 def test_gemma2_flex_attention_padding_free_equals_padded_eager():
-    """What the preflight gives Gemma 2 rows of several examples on a GPU: flex_attention, softcapping as its score
-    modifier and the examples' boundaries (from the restarting position ids) as its block mask; losses and
-    gradients as from padded eager micro-batches, fp32 on the GPU."""
-    from test_padding_free import LENGTHS, WINDOW, examples, flat_step, padded_step, tiny_model
+    """`model.attn_implementation=flex_attention` for Gemma 2's padding-free rows (chosen by hand; the preflight
+    keeps eager on padded micro-batches): softcapping as its score modifier and the examples' boundaries (from the
+    restarting position ids) as its block mask give the padded eager step's losses and gradients, fp32 on the GPU."""
+    from test_padding_free import assert_flat_step_equals_padded, tiny_model
 
-    model = tiny_model("gemma2").cuda()
-    step = examples()
-    assert max(LENGTHS) > WINDOW
-    ref_examples, ref_loss, ref_grads = padded_step(model, step, micro=3)
-    model.config._attn_implementation = "flex_attention"
-    got_examples, got_loss, got_grads = flat_step(model, step, parts=2)
-    assert got_examples == pytest.approx(ref_examples, rel=1e-4, abs=1e-5)
-    assert got_loss == pytest.approx(ref_loss, rel=1e-4)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    # The check can fail: positions running on across the row let the examples attend to each other.
-    wrong_examples, _, _ = flat_step(model, step, parts=2, restart_positions=False)
-    assert max(abs(a - b) for a, b in zip(wrong_examples, ref_examples, strict=True)) > 1e-3
+    assert_flat_step_equals_padded(
+        tiny_model("gemma2").cuda(), "flex_attention", rel=1e-4, grad_rtol=1e-3, grad_atol=1e-5
+    )
