@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh [STAGE ...]        (no stage: all of them, in this order)
 #
 #   tests        python -m pytest -m gpu (every GPU test; the 2-GPU ones skip on one GPU)
+#   varlen       python -m pytest -m gpu tests/test_gpu_varlen.py alone (the padding-free attention kernels)
 #   readme       the one-GPU commands of README.md, as written (doctor, the 7B run, then the default run with
 #                hardware=auto within what is left of the stage's time)
 #   bench2b      exp.bench, Gemma-2B shape, 2048 x 8: baseline, exp within the baseline's peak
@@ -30,10 +31,10 @@
 #                called again on the same (warm) machine it keeps the runs that completed (outputs/multi_gpu)
 #   realpf       exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8, $REAL_STEPS (40) steps: baseline
 #                and exp (padding-free, varlen attention) on the same steps; then exp on 2048 x 8 random tokens
-#   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps, or `again`: the first one
-#                again, on the caches the first run left; default Gemma 3 1B for 20 steps, again, Gemma 2 2B 20, the
-#                7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json (compile time and graph
-#                count) in train/
+#   trainruns    python -m exp.train on $EXP_ALPACA for each of $TRAIN_MODELS (model:steps[:override,override...],
+#                or `again`: the first one again, on the caches the first run left; default Gemma 3 1B for 20 steps,
+#                again, Gemma 2 2B 20, the 7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json
+#                (compile time and graph count) in train/
 #   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only: SDPA and flex_attention, 8 examples
 #                a step with the first timed steps profiled (where a padding-free step's time goes), then 24 a step
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -115,6 +116,8 @@ run_stage() {
   case $1 in
     tests)
       stage tests 420 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests 2>&1 | tee $WORK/pytest_gpu.txt" ;;
+    varlen)
+      stage varlen 240 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu_varlen.py 2>&1 | tee $WORK/pytest_gpu_varlen.txt" ;;
     readme)
       mkdir -p "$WORK/readme"
       stage readme 480 bash -c "
@@ -201,10 +204,12 @@ run_stage() {
       for spec in ${TRAIN_MODELS:-gemma3_1b:20 again gemma2_2b:20 gemma_7b:200 gemma_2b:20 gemma3_4b:20}; do
         if [ "$spec" = again ]; then spec=$first; tag=again; else tag=first; fi
         [ -z "$first" ] && first=$spec
-        m=${spec%%:*} n=${spec##*:}
+        m=${spec%%:*} rest=${spec#*:} extra=""
+        n=${rest%%:*}
+        if [[ $rest == *:* ]]; then extra=${rest#*:}; extra=${extra//,/ }; tag=${tag}_$(echo "$extra" | sed 's/[^ ]*=//g; s/ /_/g'); fi
         stage "train_${m}_${tag}" 420 bash -c "t0=\$SECONDS; python3 -m exp.train model=$m model.random_init=true hardware=gpu \
           data=alpaca data.path=$ALPACA data.max_seq_len=${TRAIN_SEQ:-2048} trainer=default trainer.max_steps=$n \
-          trainer.val_every_n_steps=$n trainer.warmup_steps=0 logger=csv hydra.run.dir=$WORK/train/${m}_${tag} \
+          trainer.val_every_n_steps=$n trainer.warmup_steps=0 logger=csv $extra hydra.run.dir=$WORK/train/${m}_${tag} \
           > $WORK/train/${m}_${tag}.txt 2>&1; echo exit \$? after \$((SECONDS - t0)) s; tail -9 $WORK/train/${m}_${tag}.txt"
         rm -rf "$WORK/train/${m}_${tag}/adapter" "$WORK/train/${m}_${tag}"/checkpoints
       done ;;
