@@ -37,6 +37,8 @@
 #                (compile time and graph count) in train/
 #   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only: SDPA and flex_attention, 8 examples
 #                a step with the first timed steps profiled (where a padding-free step's time goes), then 24 a step
+#   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
+#                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
 #                full-length tokens/s)
 #   study        docs/sweeps.md's packed study: 16 jobs, Gemma-2B shape on $EXP_ALPACA (lora.r 8/16 x learning rate
@@ -110,7 +112,7 @@ stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -218,6 +220,10 @@ run_stage() {
         variant=exp variant="exp model.attn_implementation=flex_attention"
       stage pfprofile24 240 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=24 steps=6 warmup=2 \
         variant=exp variant="exp model.attn_implementation=flex_attention" ;;
+    valprof)
+      stage valprof 240 python3 benchmarks/val_profile.py model=${VALPROF_MODEL:-gemma3_1b} model.random_init=true \
+        hardware=gpu data=alpaca data.path="$ALPACA" data.max_seq_len=2048 trainer=default trainer.max_steps=10 \
+        trainer.val_every_n_steps=10 trainer.warmup_steps=0 logger=csv ;;
     synthfam)
       for m in ${SYNTH_MODELS:-gemma_2b gemma2_2b gemma3_1b gemma3_4b}; do
         stage "synth_$m" 200 "${BENCH[@]}" model=$m seq=${TRAIN_SEQ:-2048} micro_batch=8 steps=12 variant=exp

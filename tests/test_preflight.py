@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -269,6 +270,30 @@ def test_probe_on_this_machine_does_not_initialise_cuda():
     assert not torch.cuda.is_initialized()
     if torch.version.cuda is None:
         assert env.gpus == [] and env.torch_cuda is None
+
+
+def test_a_probe_started_ahead_is_read_only_for_the_devices_it_was_started_for(monkeypatch):
+    """exp.train starts the CUDA probe before importing torch and Lightning; the preflight reads that probe's output
+    (the same report as one run then), unless CUDA_VISIBLE_DEVICES changed in between: then it probes again."""
+    import shutil
+
+    from exp.hardware import preflight
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    preflight.start_probe("cpu", "nf4")
+    assert preflight._started_probes == {}  # a CPU run probes nothing
+    preflight.start_probe("gpu", "nf4")
+    (started,) = preflight._started_probes.values()
+    out, _ = preflight._probe_output(check_bitsandbytes=True)
+    assert started.returncode is not None and preflight._started_probes == {}  # consumed, not run again
+    assert json.loads(out.split("EXP_PROBE ", 1)[1])["torch_cuda"] == __import__("torch").version.cuda
+    preflight.start_probe("gpu", "nf4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the devices changed after the probe started
+    out, _ = preflight._probe_output(check_bitsandbytes=True)
+    assert "EXP_PROBE " in out and len(preflight._started_probes) == 1  # a fresh probe; the stale one unread
+    preflight.discard_started_probes()
+    assert preflight._started_probes == {}
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from exp.core.cli import VERBOSE_FLAGS
 from exp.core.config import ConfigError
 from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import mask_secrets
+from exp.hardware.preflight import start_probe
 from exp.run.compose import CONF_DIR, compose_config, to_typed
 from exp.run.dirs import (
     RunLayout,
@@ -42,11 +43,15 @@ if TYPE_CHECKING:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(dcfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        # The preflight's CUDA probe (a subprocess) runs while this process imports torch and Lightning.
+        accelerator, quant_type = dcfg.hardware.accelerator, dcfg.quantization.quant_type  # enums of the schema
+        start_probe(getattr(accelerator, "value", str(accelerator)), getattr(quant_type, "value", str(quant_type)))
     # Torch and Lightning load only here, once the command line has passed its checks.
     from exp.training import pipeline
     from exp.training.sweep_job import sweep_job
 
-    hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
     output_dir = Path(hydra_cfg.runtime.output_dir)

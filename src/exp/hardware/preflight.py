@@ -229,16 +229,16 @@ def probe_environment(check_bitsandbytes: bool = False, need_gpus: bool = True) 
     else:
         _cvd_before_cuda_init[0] = env.cuda_visible_devices
     if not need_gpus or torch.version.cuda is None:
+        discard_started_probes()  # a CPU build of torch: nothing to probe
         return env
     smi = _nvidia_smi()
     env.driver_version, env.driver_cuda = smi.get("driver_version"), smi.get("driver_cuda")
     env.mig_enabled = smi.get("mig_enabled", [])
-    args = [sys.executable, "-c", _PROBE] + (["--bnb"] if check_bitsandbytes else [])
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=180, env=os.environ.copy())
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("EXP_PROBE ")), None)
+        stdout, stderr = _probe_output(check_bitsandbytes)
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("EXP_PROBE ")), None)
         if line is None:
-            env.probe_error = (proc.stderr.strip().splitlines() or ["the probe printed nothing"])[-1]
+            env.probe_error = (stderr.strip().splitlines() or ["the probe printed nothing"])[-1]
         else:
             data = json.loads(line[len("EXP_PROBE ") :])
             env.gpus = [
@@ -248,6 +248,62 @@ def probe_environment(check_bitsandbytes: bool = False, need_gpus: bool = True) 
     except (OSError, subprocess.SubprocessError) as e:
         env.probe_error = f"{type(e).__name__}: {e}"
     return env
+
+
+# Probes started ahead by `start_probe`, by (arguments, CUDA_VISIBLE_DEVICES): one is used only by a process that
+# still sees the devices it was started for.
+_started_probes: dict[tuple[tuple[str, ...], str | None], subprocess.Popen] = {}
+PROBE_TIMEOUT_S = 180
+
+
+def _probe_args(check_bitsandbytes: bool) -> list[str]:
+    return [sys.executable, "-c", _PROBE] + (["--bnb"] if check_bitsandbytes else [])
+
+
+def probe_wanted(accelerator: str, quant_type: str) -> tuple[bool, bool]:
+    """(whether the run may use a GPU, whether its 4-bit kernels are checked on it): what the probe is asked."""
+    wants_gpu = accelerator != Accelerator.cpu.value
+    return wants_gpu, wants_gpu and quant_type != QuantType.none.value
+
+
+def start_probe(accelerator: str, quant_type: str) -> None:
+    """Start the CUDA probe of a GPU run now, in the background. The probe is a fresh Python that imports torch and
+    bitsandbytes and initialises CUDA (seconds), which `probe_environment` would otherwise wait for after this
+    process has imported torch and Lightning itself; started first, the two overlap. Nothing starts without an
+    NVIDIA driver (no nvidia-smi) or for a CPU run."""
+    need_gpus, check_bnb = probe_wanted(accelerator, quant_type)
+    if not need_gpus or shutil.which("nvidia-smi") is None:
+        return
+    args = _probe_args(check_bnb)
+    key = (tuple(args), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if key not in _started_probes:
+        _started_probes[key] = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
+
+
+def _probe_output(check_bitsandbytes: bool) -> tuple[str, str]:
+    """The probe's stdout and stderr: from the probe `start_probe` started for this view of the devices, else
+    from one run now."""
+    args = _probe_args(check_bitsandbytes)
+    proc = _started_probes.pop((tuple(args), os.environ.get("CUDA_VISIBLE_DEVICES")), None)
+    if proc is None:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=os.environ.copy())
+        return done.stdout, done.stderr
+    try:
+        return proc.communicate(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
+def discard_started_probes() -> None:
+    """Stop the probes `start_probe` started that no preflight will read."""
+    while _started_probes:
+        _, proc = _started_probes.popitem()
+        proc.kill()
+        proc.communicate()
 
 
 def _version_tuple(v: str | None) -> tuple[int, ...]:
@@ -793,11 +849,9 @@ def _fit_dequantized(cfg: TrainConfig, budget: _Budget, shards: int, notes: list
 
 def run_preflight(cfg: TrainConfig, env: Environment | None = None) -> PreflightResult:
     """Probe (unless given an environment) and check. Cheap on the CPU: no subprocess when no GPU is involved."""
-    wants_gpu = cfg.hardware.accelerator != Accelerator.cpu
+    wants_gpu, check_bnb = probe_wanted(cfg.hardware.accelerator.value, cfg.quantization.quant_type.value)
     if env is None:
-        env = probe_environment(
-            check_bitsandbytes=wants_gpu and cfg.quantization.quant_type != QuantType.none, need_gpus=wants_gpu
-        )
+        env = probe_environment(check_bitsandbytes=check_bnb, need_gpus=wants_gpu)
     return check(cfg, env)
 
 

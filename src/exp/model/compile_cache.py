@@ -6,9 +6,11 @@ hits, but they default to a directory under /tmp that every sweep job on another
 starts empty. They go under `<exp cache>/compile/` instead (EXP_CACHE, shared like the tokenisation cache), unless
 the user named their own directories.
 
-Varying micro-batch lengths (padding-free rows) do not compile once per length: Dynamo's automatic dynamic shapes
-recompile a graph once with a symbolic length after the second length it meets, and padding-free rows are rounded
-to `exp.data.padding_free.PAD_MULTIPLE` tokens besides.
+Varying micro-batch lengths (a file's examples, padding-free or padded) do not compile once per length: the layers
+of such a run are compiled with a symbolic length from the start (`dynamic=True`), one graph for every length.
+Left to Dynamo's automatic dynamic shapes, the first length would compile a static graph and the second a symbolic
+one, each forward and backward: twice the compile time of a fresh machine for the same steady state. Fixed-length
+rows (random-token benchmarks, packed rows) keep the static graph, which specialises on the one shape.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 
 from exp.core.cache import cache_dir
+from exp.core.config import DataConfig, DataFormat
 
 # The variables torch (Inductor, AOTAutograd) and Triton read for their on-disk caches.
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
@@ -24,16 +27,33 @@ CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "t
 
 def use_compile_cache() -> dict[str, str]:
     """Point the compile caches into exp's cache (each variable the user has not set); returns the directories.
-    Call before the first compilation: Inductor and Triton read the variables when they first need a path."""
+    Call before the first compilation: Inductor and Triton read the variables when they need a path.
+
+    Importing torch's Inductor (Lightning and liger-kernel do, long before a model is built) writes its default,
+    `<tmp>/torchinductor_<user>`, into TORCHINDUCTOR_CACHE_DIR: that value counts as unset."""
+    import sys
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     root = cache_dir() / "compile"
     chosen = {}
     for variable, name in CACHE_VARIABLES.items():
-        if not os.environ.get(variable):
+        current = os.environ.get(variable)
+        if not current or (variable == "TORCHINDUCTOR_CACHE_DIR" and current == os.path.abspath(default_cache_dir())):
             path = root / name
             path.mkdir(parents=True, exist_ok=True)
             os.environ[variable] = str(path)
+            if "torch._inductor.utils" in sys.modules:  # paths Inductor derived from the old directory
+                sys.modules["torch._inductor.utils"].clear_caches()
         chosen[variable] = os.environ[variable]
     return chosen
+
+
+def lengths_vary(data: DataConfig) -> bool:
+    """Whether this run's micro-batches come in many lengths: examples from a file, batched by example (padding-free
+    rows or padded micro-batches); packed rows are all `max_seq_len` long, generated tokens of one length."""
+    from_file = data.format != DataFormat.synthetic or data.path is not None
+    return from_file and not data.packing
 
 
 def compile_summary() -> dict[str, float | int | str | None]:
