@@ -54,11 +54,10 @@ def timed_validation_step(self, batch, batch_idx):
         original(self, batch, batch_idx)
     sync()
     timings.append((batch_idx, tuple(batch["input_ids"].shape), time.perf_counter() - start))
+    print(f"validation batch {batch_idx}: input_ids {timings[-1][1]}, {timings[-1][2] * 1000:.0f} ms", flush=True)
 
 
 QLoRAModule.validation_step = timed_validation_step
 from exp.train import run  # noqa: E402
 
 run(sys.argv[1:])
-for idx, shape, seconds in timings:
-    print(f"validation batch {idx}: input_ids {shape}, {seconds * 1000:.0f} ms")

@@ -23,7 +23,7 @@ from exp.core.config import (
     model_path_problem,
 )
 from exp.model import varlen
-from exp.model.compile_cache import lengths_vary, use_compile_cache
+from exp.model.compile_cache import use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -276,22 +276,21 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
                 p.data = p.data.to(dtype)
     if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
         log.info("compile caches: %s", use_compile_cache())
-        compile_decoder_layers(model, dynamic=lengths_vary(cfg.data))
+        compile_decoder_layers(model)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()
     return model
 
 
-def compile_decoder_layers(model: nn.Module, dynamic: bool = False) -> None:
+def compile_decoder_layers(model: nn.Module) -> None:
     """torch.compile every decoder layer in place (`Module.compile`: parameter names and state-dict keys stay).
 
     Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all,
-    and gradient checkpointing (applied around each layer's call) stays outside the compiled region. `dynamic`:
-    one graph with a symbolic length for micro-batches of many lengths (exp.model.compile_cache.lengths_vary);
-    otherwise Dynamo specialises on the first shape and goes symbolic only where a second one arrives.
+    and gradient checkpointing (applied around each layer's call) stays outside the compiled region. Dynamo's
+    automatic dynamic shapes handle varying lengths (exp.model.compile_cache says why not `dynamic=True`).
     """
     for layer in decoder_layers(model):
-        layer.compile(dynamic=True if dynamic else None)
+        layer.compile()
 
 
 def decoder_layer_class(family: ModelFamily) -> type:
