@@ -66,6 +66,17 @@ CASES = [
     ("wrong-type-null", ["trainer.max_steps=null"], "'trainer.max_steps=null'", "e.g. trainer.max_steps=3000"),
     ("wrong-enum", ["quantization.quant_type=nf5"], "quantization.quant_type=nf5", "expected one of [nf4, fp4"),
     ("sweep-without-multirun", ["lora.r=4,8"], "'lora.r=4,8'", "add --multirun"),
+    # Values Hydra's override grammar cannot read: the key named, and the quoting that reads them.
+    ("grammar-equals", ["lora.r=16=3"], "Hydra cannot read the value of lora.r", "\"lora.r='16=3'\""),
+    ("grammar-open-list", ["trainer.max_steps=[1"], "value of trainer.max_steps", "trainer.max_steps=[1,2]"),
+    ("grammar-brackets", ["data.path=set[1].jsonl"], "value of data.path", "\"data.path='set[1].jsonl'\""),
+    ("grammar-not-a-key", ["lora r=1"], "'lora r' is not a config key", "e.g. lora.r=16"),
+    (
+        "grammar-open-interpolation",
+        ["lora.r=${{lora.alpha"],  # doubled: the rows are str.format templates
+        "interpolation in the value of lora.r is not closed",
+        "'lora.r=${lora.alpha}'",
+    ),
     # The 4-bit compute dtype is not a key: it follows hardware.precision (float32 on the CPU, bf16 on a GPU).
     (
         "compute-dtype-float32",

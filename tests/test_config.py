@@ -500,3 +500,13 @@ def test_run_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path):
     )
     assert proc.returncode == 2 and "is an existing file" in proc.stderr and "Traceback" not in proc.stderr
     assert target.read_text() == "keep me"
+
+
+def test_compose_config_names_the_key_of_an_unreadable_override():
+    """The tools that compose without Hydra's CLI (exp.preview, exp.doctor) report a grammar error as exp.train
+    does: the override, its key, and the quoting that reads the value."""
+    with pytest.raises(ConfigError) as info:
+        exp.run.compose.compose_config(["data.path=set[1].jsonl"])
+    text = str(info.value)
+    assert "Hydra cannot read the value of data.path" in text
+    assert "\"data.path='set[1].jsonl'\"" in text

@@ -16,7 +16,7 @@ from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_
 from exp.core.constants import CONF_DIR
 from exp.core.secrets import secret_value_problems
 from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
-from exp.run.overrides import check_cli_overrides
+from exp.run.overrides import check_cli_overrides, composition_error
 
 register_configs()
 # conf/train.yaml names a sweep job's directory with it (hydra.sweep.subdir).
@@ -82,5 +82,5 @@ def compose_config(overrides: list[str], launch_dir: Path | None = None) -> Trai
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             dcfg = compose(config_name="train", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(composition_error(e, list(overrides))) from e
     return to_typed(dcfg, launch_dir or Path.cwd())

@@ -414,9 +414,11 @@ def run_dir_problems(key: str, path: Path) -> list[str]:
 
 def composition_error(e: Exception, overrides: list[str]) -> str:
     """One paragraph for a failed composition: the override, what is wrong with it, and an example of a fix."""
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
 
-    if isinstance(e, MissingConfigException) and e.options and "/" in (e.missing_cfg_file or ""):
+    if isinstance(e, OverrideParseException):
+        message = override_syntax_message(e.override, e.message)
+    elif isinstance(e, MissingConfigException) and e.options and "/" in (e.missing_cfg_file or ""):
         group, _, choice = e.missing_cfg_file.rpartition("/")
         close = difflib.get_close_matches(choice, e.options, n=1)
         hint = f" Did you mean {group}={close[0]}?" if close else ""
@@ -437,6 +439,33 @@ def composition_error(e: Exception, overrides: list[str]) -> str:
     for secret in secret_values(overrides):
         message = message.replace(secret, REDACTED)
     return message
+
+
+def override_syntax_message(override: str, reason: str) -> str:
+    """An argument Hydra's override grammar cannot read: its key, the parser's reason, and the quoting that fixes it."""
+    key, sep, value = override.partition("=")
+    reason = reason.splitlines()[0].strip() if reason.strip() else "not an override"
+    if not sep or not key.strip(" +~"):
+        return (
+            f"'{override}': not a key=value override ({reason}). Fix: write it as key=value, e.g. lora.r=16, or "
+            "group=option, e.g. model=gemma_2b."
+        )
+    key = key.strip()
+    name = key.lstrip("+~")
+    if not re.fullmatch(r"[\w.@/-]+", name):
+        return f"'{override}': {name!r} is not a config key ({reason}). Fix: a key is dotted words, e.g. lora.r=16."
+    if value.count("${") and value.count("{") > value.count("}"):
+        closed = value + "}" * (value.count("{") - value.count("}"))
+        return (
+            f"'{override}': the interpolation in the value of {name} is not closed ({reason}). Fix: close it, "
+            f"'{key}={closed}' (in single quotes, so that the shell leaves the $ alone)."
+        )
+    listed = f" or close the list, e.g. {key}=[1,2]" if value.lstrip().startswith("[") else ""
+    return (
+        f"'{override}': Hydra cannot read the value of {name} ({reason}): '=', brackets, braces, spaces and commas "
+        f"have a meaning in an override. Fix: quote the value for Hydra inside the shell's quotes, "
+        f"\"{key}='{value}'\"{listed}."
+    )
 
 
 def _example(key: str) -> str | None:
