@@ -35,8 +35,8 @@
 #                or `again`: the first one again, on the caches the first run left; default Gemma 3 1B for 20 steps,
 #                again, Gemma 2 2B 20, the 7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json
 #                (compile time and graph count) in train/
-#   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only: SDPA and flex_attention, 8 examples
-#                a step with the first timed steps profiled (where a padding-free step's time goes), then 24 a step
+#   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only, 8 examples a step, the first timed
+#                steps profiled: where a padding-free step's time goes, the device's idle share, the host syncs
 #   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
 #                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -216,10 +216,10 @@ run_stage() {
         rm -rf "$WORK/train/${m}_${tag}/adapter" "$WORK/train/${m}_${tag}"/checkpoints
       done ;;
     pfprofile)
-      stage pfprofile 330 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=8 warmup=3 profile=true \
-        variant=exp variant="exp model.attn_implementation=flex_attention"
-      stage pfprofile24 240 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=24 steps=6 warmup=2 \
-        variant=exp variant="exp model.attn_implementation=flex_attention" ;;
+      # exp's real-data default (varlen attention) with its first timed steps profiled: device time by kind, the
+      # device's idle share of the step, and every host sync with the code that asked for it.
+      stage pfprofile 300 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=8 warmup=3 profile=true \
+        variant=exp ;;
     valprof)
       stage valprof 240 python3 benchmarks/val_profile.py model=${VALPROF_MODEL:-gemma3_1b} model.random_init=true \
         hardware=gpu data=alpaca data.path="$ALPACA" data.max_seq_len=2048 trainer=default trainer.max_steps=10 \
