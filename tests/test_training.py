@@ -254,3 +254,23 @@ def test_existing_run_dir_is_never_overwritten(short_run):
     claimed = claim_run_dir(short_run.output_dir)
     assert claimed != short_run.output_dir and claimed.name == short_run.output_dir.name + "_1"
     assert (short_run.output_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_gradient_norm_is_the_norm_of_all_gradients_together():
+    """The logged train/grad_norm (and the non-finite check's input): one fused norm over every gradient, in
+    float32 whatever the gradients' dtype, the same as the per-tensor definition; None without gradients."""
+    from exp.training.module import gradient_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in [(4, 8), (8,), (16, 2)]] + [
+        torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16)),
+        torch.nn.Parameter(torch.randn(5)),  # no gradient: left out
+    ]
+    for p in params[:4]:
+        p.grad = torch.randn_like(p)
+    direct = torch.stack([p.grad.float().norm() for p in params[:4]]).norm()
+    norm = gradient_norm(params)
+    assert norm.dtype == torch.float32 and torch.allclose(norm, direct, rtol=1e-6)
+    params[0].grad[0, 0] = float("nan")
+    assert not torch.isfinite(gradient_norm(params))
+    assert gradient_norm(params[4:]) is None
