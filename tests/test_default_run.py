@@ -21,4 +21,6 @@ def test_default_run_learns(default_run):
     assert last["val/exact_match"] > 0.2 and first["val/exact_match"] == 0.0
     assert "val loss" in proc.stdout and "token accuracy" in proc.stdout  # the printed summary
     assert "train/tokens_per_s" in proc.stdout + proc.stderr  # the progress bar shows throughput
+    # The warm-up's cost beyond two median steps (what a compile cache saves a second run), in seconds.
+    assert summary["warmup_extra_s"] is not None and summary["step_seconds_median"] > 0
     assert (run_dir / "wandb").is_dir()  # default logger: W&B, offline, inside the run dir

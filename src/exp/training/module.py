@@ -325,13 +325,18 @@ class QLoRAModule(L.LightningModule):
 
     def throughput_summary(self) -> dict[str, float | None]:
         """Median real (non-padding) tokens/s over the steps after the first two (warm-up: allocator, kernels,
-        compilation), the padding fraction of the run's micro-batches, peak memory and what compiling cost."""
+        compilation), what the warm-up cost beyond two median steps, the padding fraction of the run's
+        micro-batches, peak memory and what compiling cost."""
         timed = self.step_tokens_per_s[2:] or self.step_tokens_per_s
         seconds = self.step_seconds[2:] or self.step_seconds
+        median_s = statistics.median(seconds) if seconds else None
+        warmup = self.step_seconds[:2]
+        warmup_extra = sum(warmup) - len(warmup) * median_s if len(self.step_seconds) > 2 else None
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return {
             "tokens_per_s_median": round(statistics.median(timed), 1) if timed else None,
-            "step_seconds_median": round(statistics.median(seconds), 4) if seconds else None,
+            "step_seconds_median": round(median_s, 4) if median_s is not None else None,
+            "warmup_extra_s": round(warmup_extra, 2) if warmup_extra is not None else None,
             "padding_fraction": round(statistics.mean(self.step_padding), 4) if self.step_padding else None,
             "peak_memory_gib": round(peak, 2) if peak is not None else None,
             "compile": compile_summary() if self.cfg.hardware.compile is True else None,
@@ -423,6 +428,7 @@ class QLoRAModule(L.LightningModule):
         return {
             "tokens_per_s_median": combine("tokens_per_s_median", sum),
             "step_seconds_median": combine("step_seconds_median", max),
+            "warmup_extra_s": combine("warmup_extra_s", max),
             "padding_fraction": combine("padding_fraction", statistics.mean),
             "peak_memory_gib": combine("peak_memory_gib", max),
             "compile": ranks[0]["compile"],

@@ -215,6 +215,16 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def compile_line(s: dict) -> str:
+    """What compiling cost the run (compiled runs only): graphs, seconds, and the warm-up beyond two median steps
+    (what a second run of the same shape saves from the compile cache)."""
+    c = s.get("compile")
+    if not c:
+        return ""
+    warmup = f"; first two steps {s['warmup_extra_s']} s over the median" if s.get("warmup_extra_s") is not None else ""
+    return f"\n  compile         {c['graphs']} graphs in {c['seconds']} s{warmup}"
+
+
 def print_summary(s: dict, output_dir: Path) -> None:
     """The run's outcome on the console, and in train.log."""
 
@@ -229,8 +239,10 @@ def print_summary(s: dict, output_dir: Path) -> None:
         f"{s['chance_token_accuracy']:.3f})\n"
         f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
         + (f"  validated on    {s['data']['validated_on']}\n" if s.get("data", {}).get("validated_on") else "")
-        + f"  throughput      {s['tokens_per_s_median']} tokens/s (median step{ranks})"
+        + f"  throughput      {s['tokens_per_s_median']} real tokens/s (median step{ranks})"
+        + (f", {s['padding_fraction']:.1%} padding" if s.get("padding_fraction") is not None else "")
         + (f", peak memory {s['peak_memory_gib']} GiB{per_device}" if s.get("peak_memory_gib") else "")
+        + compile_line(s)
         + f"\n  adapter         {output_dir / 'adapter'}"
     )
     print(f"\n{text}", flush=True)
