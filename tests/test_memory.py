@@ -177,8 +177,9 @@ def test_fused_and_chunked_loss_hold_one_chunk_of_logits():
     # chunked: CHUNK_LOGIT_BYTES / (4 x 1000) tokens per chunk > 1000, so one chunk of all tokens: its bf16 logits,
     # the fp32 copy and the logsumexp temporary (2 + 4 + 4 bytes per entry).
     assert est(loss_impl="chunked", **kw).details["loss_bytes"] == around + 1000 * 1000 * 10
-    # liger: next_power_of_2(1000 / ceil(1000 / 128) = 125) = 128 tokens per chunk, bf16 logits overwritten in place.
-    assert est(loss_impl="liger", **kw).details["loss_bytes"] == around + 128 * 1000 * 2
+    # liger: chunks of up to LIGER_CHUNK_LOGIT_BYTES of logits, so one chunk of all 1000 tokens here, its bf16
+    # logits overwritten in place by their gradient.
+    assert est(loss_impl="liger", **kw).details["loss_bytes"] == around + 1000 * 1000 * 2
     assert memory.CHUNK_LOGIT_BYTES == loss.CHUNK_LOGIT_BYTES
 
 
@@ -365,3 +366,25 @@ def test_compiled_layers_match_the_h200_bench():
             arch, gradient_checkpointing=layers > 0, checkpoint_layers=layers, compiled=True, **common
         )
         assert est.allocated / GiB == pytest.approx(row["peak_memory_gib"], rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "tokens, vocab, hidden",
+    [(4800, 256000, 3072), (16384, 256000, 3072), (300, 256000, 2048), (65536, 262144, 1152), (1000, 1000, 128)],
+)
+def test_liger_chunks_are_few_and_their_logits_bounded(tokens, vocab, hidden):
+    """exp asks liger for chunks of about LIGER_CHUNK_LOGIT_BYTES of bf16 logits, not liger's default of
+    ceil(vocab / hidden) chunks whatever the tokens (84 of 64 tokens for 4,800 tokens at Gemma-7B's head); the chunk
+    follows liger's own rule, next_power_of_2(tokens / ceil(vocab / (mem_const x hidden))), so it is at most twice the
+    budget."""
+    from exp.model.loss_plan import LIGER_CHUNK_LOGIT_BYTES, liger_chunks
+
+    def liger_chunk(mem_const: int) -> int:  # liger_kernel.ops.fused_linear_cross_entropy's chunk_size
+        per_piece = -(-tokens // -(-vocab // (mem_const * hidden)))
+        return min(tokens, 1 << (per_piece - 1).bit_length())
+
+    chunks = liger_chunks(tokens, vocab, hidden, 2)
+    assert chunks.tokens == liger_chunk(chunks.mem_const)
+    assert chunks.tokens * vocab * 2 <= 2 * LIGER_CHUNK_LOGIT_BYTES or chunks.tokens == tokens
+    # Thick matmuls (a thousand tokens or all of them) and fewer reads of the head than liger's default.
+    assert chunks.tokens >= min(tokens, 1024) and chunks.tokens >= liger_chunk(1)

@@ -48,7 +48,7 @@ from typing import Any
 
 from exp.core.config import Accelerator, ConfigError
 from exp.core.constants import CHUNK_LOGIT_BYTES
-from exp.model.loss_plan import plan_loss_impl
+from exp.model.loss_plan import liger_chunks, plan_loss_impl
 
 GiB = 2**30
 
@@ -351,10 +351,6 @@ def _logits_peak_bytes(tokens: int, vocab: int, c: int, final_softcap: bool) -> 
 COMPILED_BACKWARD_EXTRA = 1.5
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _fused_loss_peak_bytes(impl: str, tokens: int, vocab: int, hidden: int, c: int, final_softcap: bool) -> int:
     """Peak bytes of a loss that never holds the [tokens, vocab] logits (`hardware.loss_impl` chunked / liger).
 
@@ -366,14 +362,13 @@ def _fused_loss_peak_bytes(impl: str, tokens: int, vocab: int, hidden: int, c: i
         logsumexp's exp(z - max) temporary (4 + 4; when c = 4 the copy is the logits themselves), with a softcap
         the tanh kept for the gradient (4). The gradient is written over z in place; its cast to c is smaller than
         the freed temporaries.
-      liger (liger_kernel.ops.fused_linear_cross_entropy): chunks of next_power_of_2(T / ceil(V / hidden))
-        tokens (about T x hidden elements); the kernel writes the gradient over the chunk's logits (c) in place;
-        plus an fp32 per-token loss.
+      liger (liger_kernel.ops.fused_linear_cross_entropy): chunks of exp.model.loss_plan.liger_chunks tokens
+        (about LIGER_CHUNK_LOGIT_BYTES of logits); the kernel writes the gradient over the chunk's logits (c) in
+        place; plus an fp32 per-token loss.
     """
     around = 2 * c * tokens * hidden + 4 * tokens
     if impl == "liger":
-        chunk = min(tokens, _next_power_of_2(_ceil_div(tokens, _ceil_div(vocab, hidden))))
-        return around + chunk * vocab * c
+        return around + liger_chunks(tokens, vocab, hidden, c).tokens * vocab * c
     chunk = min(tokens, max(1, CHUNK_LOGIT_BYTES // (4 * vocab)))
     per = (4 + 4 if c == 4 else c + 4 + 4) + (4 if final_softcap else 0)
     return around + chunk * vocab * per

@@ -27,7 +27,7 @@ from torch import nn
 
 from exp.core.config import LossImpl, Strategy, TrainConfig
 from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
-from exp.model.loss_plan import LossChoice, plan_loss_impl
+from exp.model.loss_plan import LossChoice, liger_chunks, plan_loss_impl
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,17 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossI
         return model(**batch).loss
     h = head_inputs(model, batch)
     if impl == LossImpl.liger:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, softcap=h.softcap)(
-            h.weight, h.hidden, h.targets
+        vocab, hidden = h.weight.shape
+        chunks = liger_chunks(h.hidden.shape[0], vocab, hidden, h.weight.element_size())
+        return liger_fused_linear_cross_entropy(
+            h.hidden,
+            h.weight,
+            h.targets,
+            ignore_index=IGNORE_INDEX,
+            softcap=h.softcap,
+            chunk_mem_const=chunks.mem_const,
         )
     return chunked_linear_cross_entropy(h.hidden, h.weight, h.targets, h.softcap)
 

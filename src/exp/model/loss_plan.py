@@ -13,6 +13,35 @@ from dataclasses import dataclass
 
 from exp.core.config import LossImpl, Strategy, TrainConfig
 
+# liger's fused loss computes the head's logits and their gradient one chunk of tokens at a time, reading the whole
+# [vocab, hidden] head weight twice per chunk. By default it cuts ceil(vocab / hidden) chunks whatever the number of
+# tokens (84 for Gemma-7B's 256k vocabulary): on a padding-free step of a few thousand tokens, 84 chunks of 64 tokens,
+# matmuls too thin for the tensor cores and 84 x 2 reads of the 1.5 GB head, a cost that does not shrink with the
+# step. Chunks whose logits take up to this many bytes instead: about a thousand tokens, a few chunks a step.
+LIGER_CHUNK_LOGIT_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class LigerChunks:
+    """How liger's fused loss cuts `tokens` rows: its `chunk_mem_const` and the chunk length that gives."""
+
+    mem_const: int
+    tokens: int
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def liger_chunks(tokens: int, vocab: int, hidden: int, logit_bytes: int) -> LigerChunks:
+    """The `chunk_mem_const` for chunks of at most LIGER_CHUNK_LOGIT_BYTES of logits (`logit_bytes` per entry),
+    and the chunk length liger then takes: next_power_of_2(tokens / ceil(vocab / (mem_const x hidden))), at most
+    `tokens` (liger_kernel.ops.fused_linear_cross_entropy). The memory estimate counts that chunk."""
+    want = max(1, LIGER_CHUNK_LOGIT_BYTES // (logit_bytes * vocab))
+    mem_const = max(1, _ceil_div(vocab, hidden * _ceil_div(tokens, want)))
+    per_chunk = _ceil_div(tokens, _ceil_div(vocab, mem_const * hidden))
+    return LigerChunks(mem_const, min(tokens, 1 << max(0, (per_chunk - 1).bit_length())))
+
 
 @dataclass(frozen=True)
 class LossChoice:
