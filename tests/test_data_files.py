@@ -74,7 +74,19 @@ BAD = [
         "one JSON object per line",
     ),
     ("jsonl-line-a-list", {"d.jsonl": replace_line(jsonl(), 6, "[1, 2]").encode()}, "line 6 is a list", "an object"),
-    ("json-array-broken", {"d.json": json.dumps(ROWS, indent=1)[:-30].encode()}, "not valid JSON: line", "column"),
+    (
+        "json-array-truncated",
+        {"d.json": json.dumps(ROWS, indent=1)[:-30].encode()},
+        "it ends in the middle of a record (line 99, column",
+        "looks truncated, a copy cut short",
+    ),
+    (
+        "jsonl-truncated",
+        {"d.jsonl": jsonl().encode()[:-25]},
+        "it ends in the middle of a record (line 20, column",
+        "Copy it again from its source, after checking the free space",
+    ),
+    ("json-array-broken", {"d.json": json.dumps(ROWS, indent=1)[:-2].encode() + b"}}]"}, "not valid JSON: line", ""),
     (
         "csv-row-too-long",
         {"d.csv": replace_line(csv_text(), 5, "a,b,c,d").encode()},
@@ -121,6 +133,25 @@ def test_a_bad_data_file_is_named_with_the_place_and_the_fix(tmp_path, tokenizer
     assert text.startswith("data.path") and message in text and fix in text, text
     if path.is_file():
         assert str(path) in text
+
+
+def test_a_file_cut_anywhere_in_its_last_record_is_said_to_be_truncated(tmp_path):
+    """Wherever a copy stops inside the last record (a string, a number, between a key and its value, before the
+    closing bracket), the file is said to be truncated; damage with more of the file after it is not."""
+    from exp.data.files import diagnose
+
+    for name, text in {"d.json": json.dumps(ROWS, indent=1), "d.jsonl": jsonl()}.items():
+        path = tmp_path / name
+        for cut in range(text.rstrip().rfind("{") + 1, len(text.rstrip())):
+            path.write_text(text[:cut])
+            problem = diagnose([path], "data.path")
+            assert problem and "looks truncated" in problem and f"df -h {tmp_path}" in problem, (
+                text[:cut][-30:],
+                problem,
+            )
+    damaged = replace_line(jsonl(), 8, '{"instruction": "x", "output": ')  # the same cut, but lines follow it
+    (tmp_path / "d.jsonl").write_text(damaged)
+    assert "line 8 is not valid JSON" in diagnose([tmp_path / "d.jsonl"], "data.path")
 
 
 GOOD = [

@@ -342,3 +342,94 @@ def test_the_cli_refuses_a_foreign_run_dir_and_writes_nothing_there(tmp_path):
     assert proc.stderr.startswith("exp: error: hydra.run.dir=project: the directory exists and holds files")
     assert "hydra.run.dir=project/run" in proc.stderr
     assert tree(tmp_path / "project") == before and sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+
+
+def test_a_failure_while_hydra_sets_the_run_up_marks_the_claimed_run_failed(tmp_path):
+    """Hydra configures logging after exp has claimed the run directory (status `running`): a handler it cannot make
+    stops it there, outside exp's code. The run says failed, why, and the message is one paragraph (exit 2)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "exp.train", "logger=none", "hydra.run.dir=run"]
+        + ["+hydra.job_logging.handlers.console.level=NOPE"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (message,) = proc.stderr.strip().splitlines()
+    assert message.startswith("exp: error: Hydra failed outside exp's code, setting the run up from its config")
+    assert "Unable to configure handler 'console' (caused by ValueError: Unknown level: 'NOPE')" in message
+    assert f"The run directory {tmp_path / 'run'} is marked failed" in message and "hydra.job_logging" in message
+    record = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert record["status"] == "failed" and "Unknown level: 'NOPE'" in record["error"]
+
+
+@pytest.mark.parametrize(
+    ("stop", "status", "reason"),
+    [
+        (RuntimeError("a callback broke"), "failed", "RuntimeError: a callback broke"),
+        (SystemExit(3), "failed", "the process exited with status 3 before the run recorded how it ended"),
+        (ConfigError("lora.r=0: must be > 0"), "failed", "lora.r=0: must be > 0"),
+        ("preempted", "preempted", "Preempted: stopped by SIGTERM during start-up"),
+    ],
+)
+def test_whatever_stops_a_process_no_run_it_claimed_is_left_running(tmp_path, stop, status, reason):
+    from exp.run.dirs import claim_run_dir, write_status
+    from exp.training.signals import Preempted, ends_recorded
+
+    if stop == "preempted":
+        stop = Preempted(15, phase="start-up")
+    finished = claim_run_dir(tmp_path / "finished")
+    write_status(finished, "completed")
+    with pytest.raises(type(stop)), ends_recorded() as marked:
+        claimed = claim_run_dir(tmp_path / "run")
+        raise stop
+    assert marked == [claimed.resolve()] and status_of(finished) == "completed"
+    record = json.loads((claimed / "status.json").read_text())
+    assert record["status"] == status and record["error"].startswith(reason)
+
+
+def test_a_run_from_python_that_fails_outside_the_pipelines_handling_says_failed(tmp_path, monkeypatch):
+    import exp.training.pipeline
+    from exp.train import run
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the resume record could not be read")
+
+    monkeypatch.setattr(exp.training.pipeline, "prepare_resume", broken)  # after the preflight, before `train`
+    with pytest.raises(RuntimeError):
+        run(["logger=none", "trainer.max_steps=2"], output_dir=tmp_path / "run")
+    record = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert record == {**record, "status": "failed", "error": "RuntimeError: the resume record could not be read"}
+
+
+BROKEN_SWEEP_JOB = """
+import sys
+import exp.training.sweep_job
+
+def broken(run_dir, env=None):
+    raise RuntimeError("the job process could not be started")
+
+exp.training.sweep_job.run_job_process = broken
+sys.argv = ["exp.train", *sys.argv[1:]]
+from exp.train import cli
+
+cli()
+"""
+
+
+def test_a_sweep_job_that_fails_outside_the_pipeline_says_failed_and_is_not_blamed_on_hydra(tmp_path):
+    """A sweep job's directory says running once claimed; an error of exp's own before its job process runs marks
+    it failed, and is reported as exp's (its traceback), not as Hydra failing to set the run up."""
+    proc = subprocess.run(
+        [sys.executable, "-c", BROKEN_SWEEP_JOB, "-m", "lora.r=4", "logger=none", "hydra.sweep.dir=S"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1 and "RuntimeError: the job process could not be started" in proc.stderr
+    assert "Hydra failed outside exp's code" not in proc.stderr, proc.stderr
+    (status,) = (tmp_path / "S").glob("*/status.json")
+    record = json.loads(status.read_text())
+    assert record["status"] == "failed" and record["error"] == "RuntimeError: the job process could not be started"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -235,8 +236,6 @@ def test_report_shows_a_running_job(tmp_path, sweep):
 
 @pytest.mark.slow
 def test_report_of_one_run_goes_into_that_run_never_the_current_directory(tmp_path, sweep, monkeypatch):
-    import shutil
-
     from exp.report import main
 
     study, *_ = sweep
@@ -402,6 +401,34 @@ def test_a_second_study_in_a_sweep_dir_is_refused_and_the_same_one_resumes(tmp_p
         assert claim([*first[:1], "lora.r=4,8,16", *first[2:]])[-1] == 'hydra.sweep.dir="S"'
     finally:
         release_studies()
+
+
+def test_jobs_without_the_record_of_their_study_are_never_adopted(tmp_path, monkeypatch):
+    """A sweep directory whose study.json is gone or damaged: its jobs may be any study's, so even a launch with the
+    same settings is refused (nothing written); the time-stamped default passes it over."""
+    from exp.core.config import ConfigError
+    from exp.run.sweep import release_studies
+
+    monkeypatch.chdir(tmp_path)
+    first = ["-m", "lora.r=4,8", "trainer.max_steps=3", "hydra.sweep.dir=S"]
+    study = study_with_a_job(tmp_path, first)
+    for state, damage in {"is missing": Path.unlink, "cannot be read": lambda p: p.write_text("{")}.items():
+        damage(study / "study.json")
+        before = _files(study)
+        with pytest.raises(ConfigError) as info:
+            claim(first)
+        message = str(info.value)
+        assert message.startswith("hydra.sweep.dir=S holds 1 job(s), but S/study.json, the record of their study")
+        assert f"{state}, so whether they are this launch's study cannot be told" in message
+        assert "Fix: give this study its own directory, hydra.sweep.dir=S_2" in message
+        assert _files(study) == before and not (tmp_path / "S_2").exists(), state
+    stamped = tmp_path / "M" / time.strftime("%Y")
+    shutil.copytree(study, stamped)
+    try:
+        assert claim(["-m", "lora.r=4,8", "hydra.sweep.dir=M/${now:%Y}"])[-1] == f'hydra.sweep.dir="M/{stamped.name}_2"'
+    finally:
+        release_studies()
+    assert (stamped / "study.json").read_text() == "{"
 
 
 HOLD = """

@@ -241,12 +241,42 @@ def test_bench_refuses_an_unknown_lora_target_before_any_worker(tmp_path, capsys
     assert not list(tmp_path.iterdir())  # no result file, no worker run
 
 
-def test_bench_says_a_model_is_too_big_for_this_machine_before_building_it():
-    from exp.bench import cpu_memory_problem
+@pytest.mark.parametrize(
+    ("device", "built", "host_gib", "gpu_gib", "says"),
+    [
+        ("cpu", False, 8, None, "its random weights alone take 15.9 GiB (bf16) and this machine has 8.0 GiB available"),
+        ("cpu", True, 8, None, "its random weights alone take 15.9 GiB"),  # the host trains it: cached or not
+        ("cuda", False, 64, 12, "its random weights are drawn on the GPU in bf16 (once, into exp's cache) and take"),
+        ("cuda", False, 2, 40, "writing its random weights into exp's cache takes 4.7 GiB of host memory"),
+        ("cuda", True, 64, 3, "it needs at least 6.4 GiB on the GPU before any activation (exp.hardware.memory), and "),
+        ("cuda", True, 2, 12, ""),  # built: nothing drawn or written; the 4-bit model fits
+        ("cuda", False, 64, 40, ""),
+        ("cuda", True, None, None, ""),  # no figures: nothing to go on
+    ],
+)
+def test_bench_refuses_a_model_this_machine_cannot_hold_before_any_worker(
+    tmp_path, capsys, monkeypatch, device, built, host_gib, gpu_gib, says
+):
+    """gemma_7b (8.5 B parameters: 15.9 GiB in bf16, 6.4 GiB resident in 4-bit with its adapters) against faked
+    memory figures, through `exp.bench.main`: the CUDA side runs on a machine without a GPU."""
+    import exp.bench
+    import exp.model.local
 
-    huge = {"vocab_size": 256000, "hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 512}
-    problem = cpu_memory_problem("huge", {**huge, "num_attention_heads": 64, "head_dim": 1024})
-    assert problem.startswith("model=huge: its random weights alone take ") and "GiB available" in problem, problem
-    assert "Fix: a smaller model" in problem
-    assert cpu_memory_problem("tiny", {**huge, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                                       "num_attention_heads": 2, "head_dim": 8}) == ""  # fmt: skip
+    gib = 2**30
+    figures = exp.bench.MemoryFigures(host_gib and host_gib * gib, gpu_gib and gpu_gib * gib)
+    monkeypatch.setattr(exp.bench, "memory_figures", lambda d: figures if d == device else pytest.fail(d))
+    if built:  # the random checkpoint is in exp's cache already
+        monkeypatch.setattr(exp.model.local, "random_checkpoint_dir", lambda *a: tmp_path)
+    if not says:  # past the check the bench would start its workers: the check alone is asked
+        from exp.run.compose import compose_config
+
+        cfg = compose_config(exp.bench.Settings(model="gemma_7b", device=device).exp_overrides(), exp.bench.ROOT)
+        assert exp.bench.memory_problem(cfg, device, figures) == ""
+        return
+    out = tmp_path / "results"
+    argv = ["model=gemma_7b", "steps=2", "warmup=0", f"device={device}", f"out_dir={out}"]
+    assert exp.bench.main(argv) == 2
+    (message,) = capsys.readouterr().err.strip().splitlines()
+    assert message.startswith("exp: error: exp.bench: model=gemma_7b: ") and says in message, message
+    assert "Fix: " in message and "model=gemma_tiny" in message
+    assert not out.exists()  # no result file, no worker run

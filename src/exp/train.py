@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from exp.core.cli import VERBOSE_FLAGS
+from exp.core.cli import VERBOSE_FLAGS, os_error_message
 from exp.core.config import ConfigError
 from exp.core.constants import LAUNCH_ID_ENV
 from exp.core.secrets import mask_secrets
@@ -35,7 +35,7 @@ from exp.run.dirs import (
 from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
 from exp.run.sweep import claim_study, release_studies
 from exp.run.sweep_launcher import mark_launcher
-from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, guarded
+from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, ends_recorded, guarded, stop_reason
 
 if TYPE_CHECKING:
     from exp.training.pipeline import TrainResult
@@ -43,6 +43,15 @@ if TYPE_CHECKING:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(dcfg: DictConfig) -> float:
+    try:
+        return _task(dcfg)
+    except BaseException as e:
+        _raised_by_main.append(e)  # exp's own failure (a sweep job's too), not Hydra's: run_hydra tells them apart
+        raise
+
+
+def _task(dcfg: DictConfig) -> float:
+    """One run, or one job of a multirun: what Hydra calls `main` for."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         # The preflight's CUDA probe (a subprocess) runs while this process imports torch and Lightning.
@@ -72,19 +81,62 @@ def main(dcfg: DictConfig) -> float:
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
 
 
+# What left `main` (a fault exp does not know, reported with its traceback); anything else that leaves Hydra is
+# Hydra's own failure to set a run up or wind it down (`run_hydra`).
+_raised_by_main: list[BaseException] = []
+
+
+def run_hydra() -> None:
+    """Hydra's `main`, with what Hydra itself fails on reported as exp reports bad input.
+
+    Hydra sets a run up from its config after exp has claimed the run directory (status `running`): it composes
+    the config again, makes the callbacks, configures logging (a handler's level or arguments), sets
+    `hydra.job.env_set`. A failure there would leave that status behind and print a traceback; here the run is
+    marked failed with the reason (`ends_recorded`) and the reason is one paragraph, exit status 2 (1 for a disk
+    or permission error).
+    """
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's switch: raise what failed (exp words it) instead of printing it
+    try:
+        with ends_recorded() as marked:
+            main()
+    except Exception as e:
+        if any(e is raised for raised in _raised_by_main):
+            raise
+        marked_note = f" The run directory {', '.join(map(str, marked))} is marked failed (status.json)." * bool(marked)
+        if isinstance(e, OSError) and (message := os_error_message("exp.train", e)):
+            print(f"exp: error: {message}{marked_note}", file=sys.stderr)
+            sys.exit(1)
+        print(
+            f"exp: error: Hydra failed outside exp's code, setting the run up from its config (or, in a sweep, "
+            f"between jobs): {mask_secrets(stop_reason(e))}.{marked_note} Fix: correct the setting this names, most "
+            "often a hydra.* one (hydra.job_logging / hydra.hydra_logging for a logging handler, formatter or level; "
+            "hydra.callbacks; hydra.job.env_set), or drop that override, then launch again.",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
+
+
 def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
     from exp.training import pipeline  # torch and Lightning, once the config composed
 
     cfg = compose_config(list(overrides or []))
     with guarded():
-        out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
         try:
-            return pipeline.execute(cfg, out, Path.cwd())
-        except BaseException as e:
-            if not (pipeline.refused(e) and discard_run_dir(out)):
-                pipeline.record_stop(out, e)
-            raise
+            with ends_recorded():  # what record_stop does not know still leaves the run saying how it ended
+                out = claim_run_dir(Path(output_dir)) if output_dir else new_run_dir(Path.cwd() / "outputs")
+                try:
+                    return pipeline.execute(cfg, out, Path.cwd())
+                except BaseException as e:
+                    if not (pipeline.refused(e) and discard_run_dir(out)):
+                        pipeline.record_stop(out, e)
+                    raise
         finally:
             release_runs()  # the run directory and any run it continued: free for the next call
 
@@ -132,7 +184,7 @@ def _cli() -> None:
     if launch:
         from exp.training.launch import end_rank  # Lightning, for the ranks of torchrun / SLURM only
 
-        end_rank(main)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
+        end_rank(run_hydra)  # a rank ends as exp's own workers do: no interpreter teardown of gloo's threads
     try:
         sys.argv[1:] = claim_pinned_run_dir(sys.argv[1:])
         if not any(a.startswith('hydra.run.dir="') for a in sys.argv[1:]):  # a sweep pins no run directory
@@ -143,7 +195,7 @@ def _cli() -> None:
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         mark_launcher()  # the sweep's jobs, in whatever process a launcher starts them, end with this one
     try:
-        main()
+        run_hydra()
     finally:
         release_studies()
 

@@ -15,6 +15,7 @@ import csv
 import difflib
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -231,13 +232,16 @@ def _json_columns(path: Path) -> list[str] | str:
         start = f.read(CHUNK).lstrip()[:1]
         f.seek(0)
         if start == "[":
+            text = f.read()
             try:
-                rows = json.load(f)
+                rows = json.loads(text)
             except json.JSONDecodeError as e:
+                if _cut_short(e):
+                    return truncated(path, e.lineno, f"column {e.colno}: {e.msg}")
                 return f"not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}"
             numbered = [(f"item {i}", row) for i, row in enumerate(rows)]
         else:
-            numbered = _jsonl_rows(f)
+            numbered = _jsonl_rows(f, path)
             if isinstance(numbered, str):
                 return _one_object(path) or numbered
     kinds: dict[str, str] = {}  # column -> the JSON type of its first non-null value
@@ -290,7 +294,7 @@ def _one_object(path: Path) -> str | None:
     )
 
 
-def _jsonl_rows(f: io.TextIOBase) -> list[tuple[str, Any]] | str:
+def _jsonl_rows(f: io.TextIOBase, path: Path) -> list[tuple[str, Any]] | str:
     rows = []
     for number, line in enumerate(f, 1):
         if not line.strip():
@@ -298,8 +302,32 @@ def _jsonl_rows(f: io.TextIOBase) -> list[tuple[str, Any]] | str:
         try:
             rows.append((f"line {number}", json.loads(line)))
         except json.JSONDecodeError as e:
+            if _cut_short(e) and not any(rest.strip() for rest in f):  # the last line, and it ends mid-record
+                return truncated(path, number, f"column {e.colno}: {e.msg}")
             return f"line {number} is not valid JSON (column {e.colno}: {e.msg}); JSONL holds one JSON object per line"
     return rows
+
+
+# What is left of a number or of true / false / null that a file ends inside of ("-", "1.", "1e-", "tr", "nul").
+CUT_VALUE = re.compile(r"-?\d*\.?\d*(?:[eE][-+]?\d*)?|t(?:r(?:ue?)?)?|f(?:a(?:l(?:se?)?)?)?|n(?:u(?:ll?)?)?")
+
+
+def _cut_short(e: json.JSONDecodeError) -> bool:
+    """Whether JSON failed to parse because its text ended inside a value: nothing but the start of a value (or
+    nothing at all) follows the place of the error, or a string is still open at the end (a `\\u` escape too)."""
+    rest = e.doc[e.pos :].strip()
+    if e.msg.startswith("Invalid \\uXXXX escape"):
+        return bool(re.fullmatch(r"u[0-9a-fA-F]{0,4}", rest))  # json (C) says so of a whole escape at the end
+    return e.msg.startswith("Unterminated string") or bool(CUT_VALUE.fullmatch(rest))
+
+
+def truncated(path: Path, line: int, detail: str) -> str:
+    """The paragraph's end for a JSON / JSONL file that stops in the middle of its last record."""
+    return (
+        f"it ends in the middle of a record (line {line}, {detail}): the file looks truncated, a copy cut short or a "
+        "file whose writer stopped or ran out of disk space. Copy it again from its source, after checking the free "
+        f"space where it is written (df -h {path.parent})."
+    )
 
 
 def _json_type(value: Any) -> str:

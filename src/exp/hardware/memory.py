@@ -601,12 +601,8 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         )
     fp32 = hw.precision == "32-true"
     return dict(
-        quant_type=_value(cfg.quantization.quant_type),
-        double_quant=bool(cfg.quantization.double_quant),
-        lora_r=int(cfg.lora.r),
-        lora_targets=list(cfg.lora.target_modules),
+        **_model_kwargs(cfg),
         lora_dropout=float(cfg.lora.dropout),
-        modules_to_save=list(cfg.lora.modules_to_save),
         micro_batch_size=int(cfg.hardware.micro_batch_size),
         seq_len=int(cfg.data.max_seq_len),
         gradient_checkpointing=bool(cfg.hardware.gradient_checkpointing),
@@ -614,14 +610,26 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         loss_impl=plan_loss_impl(cfg, on_cuda=cfg.hardware.accelerator != Accelerator.cpu).impl.value,
         compute_bytes=4 if fp32 else 2,
         num_shards=num_shards,
-        optimizer=_value(cfg.trainer.optimizer),
-        family=_value(cfg.model.family),
         attn_implementation=cfg.model.attn_implementation,
         # The collator pads each batch to its longest example: assume a mask (the worst case).
         padding_mask=True,
         compiled=hw.compile is True,
         dequantized_layers=int(hw.dequantized_layers),
         offload_checkpoints=bool(hw.offload_checkpoints),
+    )
+
+
+def _model_kwargs(cfg: Any) -> dict[str, Any]:
+    """estimate_memory's arguments that say what the device holds whatever the step: the quantization, the adapters
+    and their optimiser (no choice of the preflight's among them)."""
+    return dict(
+        quant_type=_value(cfg.quantization.quant_type),
+        double_quant=bool(cfg.quantization.double_quant),
+        lora_r=int(cfg.lora.r),
+        lora_targets=list(cfg.lora.target_modules),
+        modules_to_save=list(cfg.lora.modules_to_save),
+        optimizer=_value(cfg.trainer.optimizer),
+        family=_value(cfg.model.family),
     )
 
 
@@ -648,6 +656,17 @@ def config_arch(cfg: Any) -> dict[str, Any]:
 def estimate_for_config(cfg: Any, num_shards: int = 1) -> MemoryEstimate:
     """Estimate the peak memory per device of a typed `TrainConfig` (the composed configuration of a run)."""
     return estimate_memory(config_arch(cfg), **_config_kwargs(cfg, num_shards))
+
+
+def resident_bytes(cfg: Any) -> int:
+    """What one device holds for a typed `TrainConfig` before any activation: the quantized base, the adapters, their
+    gradients and optimiser state, and CUDA's own memory. No step needs less, whatever its micro-batch, sequence
+    length, checkpointing or precision (bf16, the smaller compute dtype, is assumed): a floor of
+    `estimate_for_config(cfg).total` that needs no resolved config."""
+    est = estimate_memory(
+        config_arch(cfg), **_model_kwargs(cfg), micro_batch_size=1, seq_len=1, gradient_checkpointing=True
+    )
+    return est.weights + est.lora_params + est.lora_grads + est.optimizer_state + WORKSPACE_FIXED_BYTES
 
 
 def largest_micro_batch(arch: Mapping[str, Any], budget_bytes: int, *, max_batch: int = 1 << 16, **kwargs: Any) -> int:
@@ -711,6 +730,7 @@ __all__ = [
     "MemoryEstimate",
     "config_arch",
     "estimate_for_config",
+    "resident_bytes",
     "base_param_count",
     "estimate_memory",
     "fewest_checkpoint_layers",

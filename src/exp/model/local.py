@@ -86,6 +86,20 @@ def _model_class(family: ModelFamily):
     }[family]
 
 
+# The checkpoint is written in shards of at most this size, each held whole in host memory while it is written.
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def random_checkpoint_dir(family: ModelFamily, arch: dict[str, Any], seed: int) -> Path:
+    """Where `build_random_checkpoint` keeps `arch`'s random weights drawn from `seed` (there once built)."""
+    digest = hashlib.sha256(_random_key(family, arch, seed).encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{family.value}-random-{digest}"
+
+
+def _random_key(family: ModelFamily, arch: dict[str, Any], seed: int) -> str:
+    return json.dumps({"family": family.value, "arch": arch, "seed": seed, "v": BUILD_VERSION}, sort_keys=True)
+
+
 def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int) -> Path:
     """Return a cached checkpoint dir holding `arch` with random weights drawn from `seed` (built on first use).
 
@@ -94,8 +108,7 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
     place and verified on every use (`exp.core.cache`): a killed build, two concurrent builders or a damaged file
     never leave an entry that loads wrong.
     """
-    key = json.dumps({"family": family.value, "arch": arch, "seed": seed, "v": BUILD_VERSION}, sort_keys=True)
-    name = f"{family.value}-random-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    key = _random_key(family, arch, seed)
 
     def build(tmp: Path) -> None:
         tokenizer = build_tokenizer(tmp)
@@ -146,12 +159,12 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
                     ) from None
         finally:
             torch.set_default_dtype(previous)
-        model.save_pretrained(tmp, max_shard_size="5GB")
+        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_BYTES)
         (tmp / "exp_build.json").write_text(key + "\n")
         del model
         if build_device == "cuda":
             torch.cuda.empty_cache()
 
     return ensure_entry(
-        cache_dir() / "models" / name, build, f"model.random_init checkpoint of model.arch (seed {seed})"
+        random_checkpoint_dir(family, arch, seed), build, f"model.random_init checkpoint of model.arch (seed {seed})"
     )

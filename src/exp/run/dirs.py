@@ -167,6 +167,9 @@ _held: dict[Path, int] = {}  # run directory (resolved) -> the open descriptor w
 # run directory (resolved) -> the directories this process created to claim it (it first, then new parents): only
 # those may be removed again (`discard_run_dir`); a directory that was there before is never removed.
 _created: dict[Path, list[Path]] = {}
+# Run directories (resolved) whose status.json this process last wrote as `running`: each must say how it ended before
+# the process does (`close_unfinished`), whatever stops it (exp.training.signals.ends_recorded).
+_running: set[Path] = set()
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -183,6 +186,24 @@ def write_status(run_dir: Path, status: str, error: str | None = None) -> None:
     if launch := os.environ.get(LAUNCH_ID_ENV):
         record["launch"] = launch
     write_json(run_dir / STATUS_FILE, record)
+    if status == "running":
+        _running.add(run_dir.resolve())
+    else:
+        _running.discard(run_dir.resolve())
+
+
+def close_unfinished(status: str, error: str) -> list[Path]:
+    """Mark `status` (failed, preempted), with `error`, every run whose status.json this process wrote `running`
+    and that still says so, unless another process holds its lock now (a job process that is still running it):
+    the run stopped before exp's code could record its end (Hydra setting it up, a callback, an error outside
+    the pipeline's own handling). The runs marked."""
+    closed = []
+    for run_dir in sorted(_running):
+        if read_status(run_dir).get("status") == "running" and not in_use(run_dir):
+            write_status(run_dir, status, error=error)
+            closed.append(run_dir)
+    _running.clear()
+    return closed
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
@@ -242,9 +263,11 @@ def release_run(run_dir: Path) -> None:
 
 
 def release_runs() -> None:
-    """Every lock this process holds (the end of `exp.train.run`, which may be called again in the same process)."""
+    """Every lock this process holds (the end of `exp.train.run`, which may be called again in the same process), and
+    every run it marked `running`: none is this process's to close any more (`close_unfinished`)."""
     for key in list(_held):
         release_run(key)
+    _running.clear()
 
 
 def in_use(run_dir: Path) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -480,6 +481,18 @@ def _redacted(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def redact_job_return(job_return: JobReturn) -> None:
+    """The configs and overrides a job hands back to its launcher, masked in place as its `.hydra/` record is."""
+    if job_return.hydra_cfg is not None:
+        record = OmegaConf.to_container(job_return.hydra_cfg, resolve=False)
+        assert isinstance(record, dict)
+        job_return.hydra_cfg = OmegaConf.create(_redacted(record))
+    if job_return.cfg is not None:
+        job_return.cfg = OmegaConf.create(redact(OmegaConf.to_container(job_return.cfg, resolve=False)))
+    if job_return.overrides:
+        job_return.overrides = [redact_override(o) for o in job_return.overrides]
+
+
 def write_hydra_record(config: DictConfig, run_dir: Path | None = None) -> Path:
     """Hydra's record of a job (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them) with secrets masked:
     values of secret-looking keys (`hydra.job.env_set.HF_TOKEN`, env_copy'd variables) and overrides. Written into
@@ -550,6 +563,11 @@ class RunRecord(Callback):
             redact_multirun_record(Path(config.hydra.sweep.dir))
         else:
             write_hydra_record(config)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        # What the job hands back to its launcher: submitit pickles it into the job's `*_result.pkl` as it ends, and
+        # a launcher killed outright (SIGKILL) never reads and deletes it. The sweep needs only the job's value.
+        redact_job_return(job_return)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         # Launchers that run jobs in other processes (gpus, submitit) write multirun.yaml here without a job start.

@@ -2,8 +2,8 @@
 multirun, which jobs completed or failed, with the failure count as exit status.
 
 A sweep directory holds one study. `claim_study` takes it before Hydra writes there: a directory that holds another
-study's jobs (other settings, or other swept keys: `study.json`), that another launch is writing now (its lock), or
-that is not a study's at all is refused, or, when its name is the time-stamped default, passed over for `<dir>_2`.
+study's jobs (other settings, or other swept keys: `study.json`), jobs without a readable `study.json` (whose study
+cannot be told), that another launch is writing now (its lock), or that is not a study's at all is refused, or, when its name is the time-stamped default, passed over for `<dir>_2`.
 Within the study, a job that completed is reused by a re-launch only when the config it was asked
 to run (recorded in its `sweep_job.json`) has the same fingerprint as the new job's; a job directory that holds
 another config stops the launch with `SweepConflict` before anything is written (see docs/sweeps.md for why it
@@ -372,11 +372,12 @@ def _take(path: Path, study: dict[str, Any]) -> str | None:
 
 
 def _other_study(path: Path, study: dict[str, Any]) -> str | None:
-    """Why `path` holds another study's jobs; None when it holds this study's, or no job (nothing to mix with), or
-    jobs without a record of their study."""
+    """Why `path` may hold another study's jobs; None when it holds this study's, or no job (nothing to mix with)."""
     recorded = read_study(path)
-    if recorded is None or recorded == study or not job_dirs(path):
+    if recorded == study or not job_dirs(path):
         return None
+    if recorded is None:
+        return unknown_study_message(path)
     keys = sorted(set(recorded["swept"]) | set(study["swept"]) | recorded["settings"].keys() | study["settings"].keys())
 
     def shown(s: dict[str, Any], k: str) -> str:
@@ -394,6 +395,21 @@ def _other_study(path: Path, study: dict[str, Any]) -> str | None:
         f"launch stops here and changes nothing in {path}. Fix: give this study its own directory, "
         f"hydra.sweep.dir={free_sweep_dir(path)}, or launch with the settings of {path / STUDY_RECORD} to resume or "
         "extend that study."
+    )
+
+
+def unknown_study_message(path: Path) -> str:
+    """Jobs without the record of their study (its study.json removed, damaged, or never written by exp.train's
+    claim): whose they are cannot be told, and adopting them would be the mixing the record exists to prevent."""
+    jobs = len(job_groups(path))
+    state = "cannot be read" if (path / STUDY_RECORD).exists() else "is missing"
+    return (
+        f"hydra.sweep.dir={path} holds {jobs} job(s), but {path / STUDY_RECORD}, the record of their study (the keys "
+        f"it sweeps and the settings its jobs share), {state}, so whether they are this launch's study cannot be "
+        "told. A sweep directory holds one study: this launch's jobs could be mixed with another study's (its job "
+        f"numbers, multirun.yaml and report would describe two sets of settings), so this launch stops here and "
+        f"changes nothing in {path}. Fix: give this study its own directory, hydra.sweep.dir={free_sweep_dir(path)} "
+        f"(the jobs in {path} stay as they are; python -m exp.report {path} still reads them)."
     )
 
 

@@ -8,7 +8,9 @@ config on disk. So the launch names itself in the environment every job inherits
 start time, which a process that reuses the pid does not share), and a job running in another process watches it:
 once it is gone the job is sent SIGTERM, which stops it as a preemption does (a checkpoint at the step boundary,
 `preempted`, and `trainer.resume=auto` on a re-launch continues it). A submitit job also deletes its own submission
-pickle once it has started, when the pickle holds one of the sweep's secrets: nothing needs it after the start.
+pickle once it has started, when the pickle holds one of the sweep's secrets: nothing needs it after the start; what
+it hands back (its result pickle, which a killed launcher never reads) holds its configs masked
+(exp.run.security.RunRecord.on_job_end).
 """
 
 from __future__ import annotations

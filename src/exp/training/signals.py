@@ -14,6 +14,11 @@ handler (`GUARD`) owns them from the moment `exp.train` starts until it ends, an
 
 The run is marked `preempted` and the process exits with REQUEUE_EXIT, so a batch script can tell "preempted,
 requeue me" from success and from failure; `trainer.resume=auto` then continues from the newest checkpoint.
+
+Whatever else stops a process once it has marked a run `running` (Hydra failing to set the run up after its
+directory was claimed, an error outside the pipeline's own handling, `sys.exit`), `ends_recorded` marks that run
+`failed` with the reason on the way out (`preempted` for a signal): no run is left saying `running` by a process
+that has ended.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from exp.core.config import ConfigError
+from exp.run.dirs import close_unfinished
 
 log = logging.getLogger("exp.signals")
 
@@ -127,3 +135,35 @@ def guarded(phase: str = "start-up") -> Iterator[SignalGuard]:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def ends_recorded() -> Iterator[list[Path]]:
+    """Whatever leaves the block (an exception, a signal, `sys.exit`), every run this process marked `running` and
+    that still says so is marked how it ended: `preempted` for a signal, else `failed` with `stop_reason`. Yields
+    the list of the runs so marked, filled on the way out."""
+    marked: list[Path] = []
+    try:
+        yield marked
+    except BaseException as e:
+        with GUARD.shielded():
+            if isinstance(e, Preempted):
+                marked += close_unfinished("preempted", f"Preempted: {e}")
+            else:
+                marked += close_unfinished("failed", stop_reason(e))
+        raise
+
+
+def stop_reason(e: BaseException) -> str:
+    """What stopped a run, in one line: exp's own message for bad input, else the exception and what caused it."""
+    if isinstance(e, ConfigError):
+        return str(e)
+    if isinstance(e, SystemExit):
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+        reason = f"the process exited with status {code or 0} before the run recorded how it ended"
+        return reason + (f" ({stop_reason(e.__context__)})" if e.__context__ is not None else "")
+    causes, seen = [], e
+    while seen is not None and len(causes) < 4:
+        causes.append(f"{type(seen).__name__}: {seen}".rstrip(": "))
+        seen = seen.__cause__ or seen.__context__
+    return causes[0] + "".join(f" (caused by {cause})" for cause in causes[1:])

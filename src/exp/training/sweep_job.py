@@ -22,7 +22,7 @@ from exp.run.security import remove_secret_pickles, write_hydra_record
 from exp.run.sweep import SweepConflict, earlier_result, final_metric, record_job, restore_sweep_record
 from exp.run.sweep_launcher import submitit_pickle, watch_launcher
 from exp.training.launch import run_job_process
-from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
+from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, ends_recorded
 
 log = logging.getLogger("exp.train")
 
@@ -35,6 +35,11 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     job directory that holds another config stops the sweep (exit status 2) before anything is written.
     """
 
+    with ends_recorded():  # a job process of a launcher (submitit) has no exp.train.cli around it
+        return _sweep_job(dcfg, job_dir)
+
+
+def _sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     hydra_cfg = HydraConfig.get()
     watch_launcher()  # a job in a process of its own (submitit) ends with the sweep's launcher
     if (submitted := submitit_pickle()) is not None:  # read at the job's start, not needed after it
