@@ -771,3 +771,43 @@ def test_weights_are_safetensors(secret_run):
     )
     base = Path(resolve_checkpoint(model))
     assert list(base.glob("*.safetensors")) and not [p for p in base.iterdir() if p.suffix in pickled]
+
+
+def test_a_job_whose_redacted_record_failed_is_not_trained(monkeypatch, tmp_path):
+    """Hydra only warns about a callback's exception and runs the job anyway: when RunRecord cannot write the
+    redacted record, the job refuses to run (one paragraph, no secret in it), and a full disk is said as one."""
+    import errno as errno_codes
+
+    from omegaconf import OmegaConf
+
+    import exp.run.security as security
+    from exp.train import check_run_record
+    from exp.training.faults import TrainingFault
+
+    config = OmegaConf.create({"hydra": {"mode": "RUN"}})
+
+    def failing_write(cfg, run_dir=None):
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".hydra" / "sk-live-abcdefghijklmnop"))
+
+    monkeypatch.setattr(security, "write_hydra_record", failing_write)
+    monkeypatch.setattr(sys, "argv", ["exp.train", "logger.api_key=sk-live-abcdefghijklmnop"])
+    with pytest.raises(PermissionError):
+        security.RunRecord().on_job_start(config)
+    assert isinstance(security.run_record_failure(), PermissionError)
+    with pytest.raises(TrainingFault, match="redacted record could not be written") as info:
+        check_run_record(tmp_path)
+    assert "hydra.run.dir" in str(info.value) and "sk-live-abcdefghijklmnop" not in str(info.value)
+
+    def full_disk(cfg, run_dir=None):
+        raise OSError(errno_codes.ENOSPC, "No space left on device", str(tmp_path / ".hydra"))
+
+    monkeypatch.setattr(security, "write_hydra_record", full_disk)
+    with pytest.raises(OSError):
+        security.RunRecord().on_job_start(config)
+    with pytest.raises(OSError, match="No space left"):
+        check_run_record(tmp_path)
+    # A job whose record was written runs.
+    monkeypatch.setattr(security, "write_hydra_record", lambda cfg, run_dir=None: tmp_path)
+    security.RunRecord().on_job_start(config)
+    assert security.run_record_failure() is None
+    check_run_record(tmp_path)

@@ -7,6 +7,7 @@ the same from Python (a notebook, a test).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from exp.run.dirs import (
     shared_launch_id,
 )
 from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
+from exp.run.security import run_record_failure
 from exp.run.sweep import claim_study, release_studies
 from exp.run.sweep_launcher import mark_launcher
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, ends_recorded, guarded, stop_reason
@@ -48,6 +50,25 @@ def main(dcfg: DictConfig) -> float:
     except BaseException as e:
         _raised_by_main.append(e)  # exp's own failure (a sweep job's too), not Hydra's: run_hydra tells them apart
         raise
+
+
+def check_run_record(output_dir: Path) -> None:
+    """Refuse a job whose redacted record (`.hydra/`) was not written or whose command line still holds its
+    secrets (exp.run.security.RunRecord failed: Hydra warns and goes on). A full disk reads as one."""
+    if (e := run_record_failure()) is None:
+        return
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        raise e
+    from exp.training.faults import TrainingFault  # the pipeline's fault type, loaded with the pipeline
+
+    # An OSError's own text names the file, whose name may hold an override's value: its reason alone.
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else mask_secrets(str(e))
+    raise TrainingFault(
+        f"the run's redacted record could not be written to {output_dir / '.hydra'} ({type(e).__name__}: "
+        f"{reason}), so nothing was trained: a run without it would keep its secrets on the command "
+        "line, where W&B and the manifest record them. Fix: make the run directory writable (or choose another, "
+        "hydra.run.dir=...), then launch again."
+    )
 
 
 def _task(dcfg: DictConfig) -> float:
@@ -71,6 +92,7 @@ def _task(dcfg: DictConfig) -> float:
         output_dir = claim_run_dir(output_dir)  # claimed by `cli` already, unless main is called another way
     launch_dir = Path(hydra.utils.get_original_cwd())
     try:
+        check_run_record(output_dir)
         cfg = to_typed(dcfg, launch_dir)
         result = pipeline.execute(cfg, output_dir, launch_dir)
     except BaseException as e:

@@ -546,6 +546,16 @@ def remove_secret_pickles(sweep_dir: Path, config: DictConfig, paths: list[Path]
     return removed
 
 
+# What RunRecord.on_job_start failed on for the job now starting (empty: it did its work).
+_record_failures: list[Exception] = []
+
+
+def run_record_failure() -> Exception | None:
+    """Why the job now starting has no redacted record or still has its secrets on the command line (None: it has
+    both): a job must not run without them."""
+    return _record_failures[0] if _record_failures else None
+
+
 class RunRecord(Callback):
     """Registered in conf/train.yaml: the redacted `.hydra/` record of every job, and no secret on the command line.
 
@@ -556,13 +566,21 @@ class RunRecord(Callback):
     """
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sys.argv[:] = [redact_override(arg) for arg in sys.argv]
-        if config.hydra.mode == RunMode.MULTIRUN:
-            # A sweep job's record goes into the run directory the job claims (exp.train.start_sweep_job), which
-            # is not Hydra's output directory when an earlier attempt is there: that attempt's record stays its own.
-            redact_multirun_record(Path(config.hydra.sweep.dir))
-        else:
-            write_hydra_record(config)
+        # Hydra only warns about a callback's exception and runs the job anyway: what failed is kept for the job to
+        # refuse to run (`run_record_failure`), since a job without it would train with its secrets unmasked.
+        _record_failures.clear()
+        try:
+            sys.argv[:] = [redact_override(arg) for arg in sys.argv]
+            if config.hydra.mode == RunMode.MULTIRUN:
+                # A sweep job's record goes into the run directory the job claims (exp.train.start_sweep_job),
+                # which is not Hydra's output directory when an earlier attempt is there: that attempt's record
+                # stays its own.
+                redact_multirun_record(Path(config.hydra.sweep.dir))
+            else:
+                write_hydra_record(config)
+        except Exception as e:
+            _record_failures.append(e)
+            raise
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         # What the job hands back to its launcher: submitit pickles it into the job's `*_result.pkl` as it ends, and
