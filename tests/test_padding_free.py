@@ -37,7 +37,7 @@ LENGTHS = [41, 7, 23, 2, 36, 15]
 WINDOW = 8
 
 
-def tiny_model(family: str):
+def tiny_model(family: str, head_dim: int = 8):
     """A random fp32 model of `family`: Gemma 2 with its softcapping (eager), Gemma 2 / 3 with a sliding window
     shorter than most examples, and a full-attention layer beside it."""
     from transformers import (
@@ -55,7 +55,7 @@ def tiny_model(family: str):
         intermediate_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         use_cache=False,
         initializer_range=0.2,  # larger than Gemma's, so that the logits (and any mistake) are not flat
     )

@@ -106,19 +106,22 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossI
         return model(**batch).loss
     h = head_inputs(model, batch)
     if impl == LossImpl.liger:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-        vocab, hidden = h.weight.shape
-        chunks = liger_chunks(h.hidden.shape[0], vocab, hidden, h.weight.element_size())
-        return liger_fused_linear_cross_entropy(
-            h.hidden,
-            h.weight,
-            h.targets,
-            ignore_index=IGNORE_INDEX,
-            softcap=h.softcap,
-            chunk_mem_const=chunks.mem_const,
-        )
+        return liger_linear_cross_entropy(h.hidden, h.weight, h.targets, h.softcap)
     return chunked_linear_cross_entropy(h.hidden, h.weight, h.targets, h.softcap)
+
+
+def liger_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
+    """chunked_linear_cross_entropy in liger-kernel's fused Triton kernels (CUDA), in chunks of
+    exp.model.loss_plan.liger_chunks tokens."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # CUDA only: imports Triton
+
+    vocab, width = weight.shape
+    chunks = liger_chunks(hidden.shape[0], vocab, width, weight.element_size())
+    return liger_fused_linear_cross_entropy(
+        hidden, weight, targets, ignore_index=IGNORE_INDEX, softcap=softcap, chunk_mem_const=chunks.mem_const
+    )
 
 
 def chunked_linear_cross_entropy(
