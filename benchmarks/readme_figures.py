@@ -324,10 +324,10 @@ def alpaca_run() -> str:
     bar = final_bar(done)
     per_step = bar_seconds(bar) / 100
     text = prose(
-        f"On this machine ({caption_machine(done)}) the tiny model took {per_step:.1f} s per step at 512 tokens (the "
+        f"On this machine ({caption_machine(done)}) the tiny model took {per_step:.2f} s per step at 512 tokens (the "
         f"bar's time over its 100 steps): `trainer.max_steps=100` as above ran for {minutes(done.seconds)}, the "
         f"start-up and both validations included; at that pace the 3,000 steps of `trainer=tiny` (no "
-        f"`trainer.max_steps`) would train for about {per_step * 3000 / 3600:.1f} h. Its bar and summary:"
+        f"`trainer.max_steps`) would train for about {round(per_step * 3000 / 60)} min. Its bar and summary:"
     )
     return f"{text}\n\n```\n{bar}\n\n{summary(done)}\n```"
 
