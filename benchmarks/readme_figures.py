@@ -2,7 +2,7 @@
 
     python benchmarks/readme_figures.py                      # the default run's example output (minutes on 2 cores)
     python benchmarks/readme_figures.py preview-chat doctor  # these blocks
-    python benchmarks/readme_figures.py all-cpu              # every block this CPU machine reproduces (~25 min)
+    python benchmarks/readme_figures.py all-cpu              # every block this CPU machine reproduces (21 min on 2 busy cores)
     python benchmarks/readme_figures.py tests                # the test suite's count and time (one full pytest run)
     python benchmarks/readme_figures.py --list               # every block, its file and its group
 
