@@ -761,6 +761,35 @@ refusals(
     "UP=../../.. python -m exp.train hydra.run.dir=outputs/logs-demo "
     "'hydra.job_logging.handlers.file.filename=${hydra.runtime.output_dir}/${oc.env:UP}/x.log'",
 )
+SECRET_RECORD = (
+    "MY_SERVICE_PASSWORD=fake-pass-0123456789 python -m exp.train +hydra.job.env_set.DB_PASSWORD=fake-db-0123456789 "
+    "+hydra.job.env_set.SOME_API_KEY=fake-key-0123456789 'hydra.job.env_copy=[MY_SERVICE_PASSWORD]' "
+    "hydra.run.dir=run "
+    + "trainer.max_steps=3 trainer.warmup_steps=0 trainer.val_every_n_steps=3 data.num_examples=120 "
+    "trainer.sample_count=0 logger=csv"
+)
+
+
+@figure("hydra-record", "docs/security.md")
+def hydra_record() -> str:
+    """The run's .hydra/hydra.yaml, the lines that name the secrets: the overrides and env_set."""
+    session = Session("hydra-record")
+    done = session.run(SECRET_RECORD)
+    if "0123456789" in (session.dir / "run" / ".hydra" / "hydra.yaml").read_text():
+        raise SystemExit("readme_figures: hydra-record: a secret is in .hydra/hydra.yaml")
+    lines = (session.dir / "run" / ".hydra" / "hydra.yaml").read_text().splitlines()
+    shown, previous = [], -2
+    for i, line in enumerate(lines):
+        wanted = "PASSWORD" in line or "API_KEY" in line or line.strip() in ("overrides:", "hydra:", "env_set:")
+        if wanted and (line.strip() != "hydra:" or i + 1 < len(lines) and "env_set.DB_PASSWORD" in lines[i + 1]):
+            if shown and i != previous + 1:
+                shown.append("  ...")
+            shown.append(line)
+            previous = i
+    intro = f"`$ {done.command}`, then `.hydra/hydra.yaml` of the run, the lines naming the secrets:"
+    return f"{intro}\n\n```yaml\n" + "\n".join(shown) + "\n```"
+
+
 refusals("run-record", "docs/security.md", "python -m exp.train '~hydra.callbacks.run_record'")
 refusals(
     "invalid-config",
@@ -813,6 +842,68 @@ refusals(
     "python -m exp.train -m hydra/launcher=gpus lora.r=4,8      # this CPU-only machine",
     expect=3,
 )
+
+OPTUNA = (
+    "python -m exp.train -m --config-dir sweeps --config-name optuna_lr_rank hydra.sweeper.n_trials={trials} "
+    "trainer.max_steps={steps} trainer.warmup_steps=0 trainer.val_every_n_steps=3 data.num_examples=120 "
+    "trainer.sample_count=0 logger=csv hydra.sweep.dir=opt"
+)
+
+
+def lock_held(path: Path) -> bool:
+    """Whether another process holds `path`'s flock (a launch writing its sweep directory)."""
+    import fcntl
+
+    if not path.exists():
+        return False
+    with path.open() as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+@functools.cache
+def optuna_study() -> Session:
+    """The shipped Optuna study run once (2 trials), launched again with other settings (refused), launched with a
+    third trial while that launch runs in another process (refused), and launched again with its own settings."""
+    session = Session("optuna-study")
+    (session.dir / "sweeps").symlink_to(ROOT / "sweeps")
+    first = OPTUNA.format(trials=2, steps=3)
+    session.run(first)
+    session.run(OPTUNA.format(trials=2, steps=40) + " lora.alpha=16", timeout=ERROR_TIMEOUT, expect=2)
+    third = OPTUNA.format(trials=3, steps=3)
+    other = subprocess.Popen(["bash", "-c", third], cwd=session.dir, env=session.env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.time() + ERROR_TIMEOUT
+    while not lock_held(session.dir / "opt" / ".lock") and other.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    if not lock_held(session.dir / "opt" / ".lock"):
+        other.kill()
+        raise SystemExit("readme_figures: optuna-study: the launch in the other process never held opt/.lock")
+    session.run(third + "      # while the same command runs in another process", timeout=ERROR_TIMEOUT, expect=2)
+    if other.wait(timeout=1800) != 0:
+        raise SystemExit(f"readme_figures: optuna-study: the launch with a third trial exited {other.returncode}")
+    session.run(first)
+    return session
+
+
+@figure("optuna-refusals", "docs/sweeps.md")
+def optuna_refusals() -> str:
+    _, other_settings, concurrent, _ = optuna_study().done
+    shown = [other_settings.shown(), f"$ echo $?\n{other_settings.code}", concurrent.shown()]
+    return "```\n" + "\n".join(shown) + "\n```"
+
+
+@figure("optuna-reuse", "docs/sweeps.md")
+def optuna_reuse() -> str:
+    again = optuna_study().done[-1]
+    keep = re.compile(r"already completed with this config|\[HYDRA\] (Best parameters|Best value|sweep opt)")
+    lines = [re.sub(r"^\[[\d-]+ [\d:,]+\]", "", line) for line in again.lines() if keep.search(line)]
+    return f"```\n$ {again.command}\n" + "\n".join(lines) + "\n```"
+
 
 PACKED = (
     "python -m exp.train -m hydra/launcher=gpus hydra.launcher.pack=true 'hydra.launcher.devices=[0]' "
