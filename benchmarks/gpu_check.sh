@@ -39,7 +39,7 @@
 #                again, Gemma 2 2B 20, the 7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json
 #                (compile time and graph count) in train/
 #   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only, 8 examples a step, the first timed
-#                steps profiled: where a padding-free step's time goes, the device's idle share, the host syncs
+#                steps profiled: where a padding-free step's time goes and the device's idle share of the step
 #   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
 #                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -224,8 +224,8 @@ run_stage() {
         rm -rf "$WORK/train/${m}_${tag}/adapter" "$WORK/train/${m}_${tag}"/checkpoints
       done ;;
     pfprofile)
-      # exp's real-data default (varlen attention) with its first timed steps profiled: device time by kind, the
-      # device's idle share of the step, and every host sync with the code that asked for it.
+      # exp's real-data default (varlen attention) with its first timed steps profiled: device time by kind and the
+      # device's idle share of the step.
       stage pfprofile 300 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=8 warmup=3 profile=true \
         variant=exp ;;
     valprof)

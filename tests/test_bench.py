@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -131,8 +130,8 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(benches):
         prof = rows[name]["profile"]
         assert prof["steps"] == 2 and prof["total_ms_per_step"] > 0 and "matmul" in prof["categories"]
         assert sum(c["share"] for c in prof["categories"].values()) == pytest.approx(1, abs=1e-3)
-        # The profiled steps' wall-clock, and no host sync counted on the CPU (the sync debug mode is CUDA's).
-        assert prof["wall_ms_per_step"] > 0 and prof["host_syncs"] == []
+        # The profiled steps' wall-clock, which the device's busy time is compared with.
+        assert prof["wall_ms_per_step"] > 0
     assert "Profile of exp (micro-batch 2)" in md and "| matmul |" in md
 
     # A later invocation (a split ablation) can take the baseline from this result instead of running it again,
@@ -380,20 +379,3 @@ def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     assert "Real data:" in md and "| variant | all steps s |" in md
     # No GPU here: the baseline has no measured peak, so the exp side ran without a budget.
     assert exp["memory_budget_gib"] is None
-
-
-def test_sync_sites_count_each_synchronisation_by_the_code_that_asked_for_it():
-    """The profile's host syncs: torch's sync debug mode warns at each one; SyncSites counts them by the first
-    frames outside torch and lets every other warning through."""
-    from exp.bench import SyncSites
-
-    def ask_for_a_value():
-        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
-
-    with pytest.warns(UserWarning, match="unrelated"), SyncSites(cuda=False) as syncs:
-        for _ in range(5):
-            ask_for_a_value()
-        warnings.warn("unrelated", UserWarning, stacklevel=1)
-    [(site, n)] = syncs.counts.items()
-    assert n == 5 and site.startswith("test_bench.py:") and "ask_for_a_value" in site
-    assert syncs.per_step(2) == [{"site": site, "per_step": 2.5}]

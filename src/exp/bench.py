@@ -34,8 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -406,74 +404,15 @@ PROFILE_CATEGORIES = (
 )
 
 
-SYNC_WARNING = "synchroniz"  # torch's sync debug mode: "called a synchronizing CUDA operation"
-
-
-def code_site(frames: list[traceback.FrameSummary], depth: int = 3) -> str:
-    """The innermost `depth` frames outside torch's own Python and the warnings module (the code that asked torch
-    for the value), each as `package/module.py:line function`, innermost first."""
-    outside = [f for f in frames if not re.search(r"[/\\]torch[/\\]", f.filename) and f.filename != warnings.__file__]
-    sites = []
-    for f in reversed(outside[-depth:]):
-        parts = re.split(r"site-packages[/\\]|[/\\]src[/\\]", f.filename)
-        short = parts[-1] if len(parts) > 1 else Path(f.filename).name
-        sites.append(f"{short}:{f.lineno} {f.name}")
-    return " < ".join(sites) or "torch"
-
-
-class SyncSites:
-    """Every host-device synchronisation inside the block and the code that asked for it, counted by site.
-
-    A sync makes the host wait for every queued kernel; the GPU then idles until the host has queued the next ones,
-    which on short steps is a fixed cost per step. torch's sync debug mode warns at each sync (CUDA only); the
-    warnings are counted here and not shown."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.counts: dict[str, int] = {}
-        self._caught: warnings.catch_warnings | None = None
-
-    def __enter__(self) -> SyncSites:
-        self._caught = warnings.catch_warnings()
-        self._caught.__enter__()
-        warnings.simplefilter("always")
-        shown = warnings.showwarning
-
-        def record(message, category, filename, lineno, file=None, line=None):
-            if SYNC_WARNING not in str(message):
-                return shown(message, category, filename, lineno, file, line)
-            site = code_site(traceback.extract_stack()[:-1])
-            self.counts[site] = self.counts.get(site, 0) + 1
-
-        warnings.showwarning = record  # catch_warnings puts the previous one back
-        if self.cuda:
-            import torch
-
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.set_sync_debug_mode("default")
-        self._caught.__exit__(*exc)
-
-    def per_step(self, steps: int) -> list[dict[str, Any]]:
-        return [{"site": site, "per_step": round(n / steps, 1)}
-                for site, n in sorted(self.counts.items(), key=lambda kv: -kv[1])]  # fmt: skip
-
-
 def profile_summary(
     events: list[tuple[str, float, int]],
     steps: int,
     top: int = 25,
     wall_s: list[float] | None = None,
-    syncs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Where the time of `steps` profiled steps went: per category and the `top` names, in ms per step.
     `events`: (name, self time in microseconds, calls) per kernel (CUDA) or operator (CPU). `wall_s`: the steps'
-    wall-clock times; the device is idle for the part of them its kernels do not fill. `syncs`: SyncSites.per_step."""
+    wall-clock times; the device is idle for the part of them its kernels do not fill."""
     by_name: dict[str, list[float]] = {}
     for name, us, calls in events:
         entry = by_name.setdefault(name, [0.0, 0])
@@ -491,7 +430,6 @@ def profile_summary(
         "steps": steps,
         "total_ms_per_step": ms(total),
         "wall_ms_per_step": wall_ms,
-        "host_syncs": syncs,
         "categories": {
             c: {"ms_per_step": ms(us), "share": round(us / total, 4)}
             for c, us in sorted(categories.items(), key=lambda kv: -kv[1])
@@ -544,7 +482,6 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
             self._step_losses: list[torch.Tensor] = []
             self.profile: dict[str, Any] | None = None
             self._profiler = None
-            self._syncs: SyncSites | None = None
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.fingerprint = lora_fingerprint(pl_module.model)
@@ -563,7 +500,6 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 self._profiler = torch_profile(activities=activities)
                 self._profiler.__enter__()
-                self._syncs = SyncSites(cuda).__enter__()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -579,7 +515,6 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
             if cuda:
                 self.peak = torch.cuda.max_memory_allocated()
             if self._profiler is not None and batch_idx + 1 == (warmup + PROFILED_STEPS) * accumulate:
-                self._syncs.__exit__(None, None, None)
                 self._profiler.__exit__(None, None, None)
                 kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
                 events = [
@@ -589,9 +524,8 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
                     # count their kernels twice.
                     if e.device_type == kind and not e.is_user_annotation
                 ]
-                self.profile = profile_summary(events, PROFILED_STEPS, wall_s=self.step_s[-PROFILED_STEPS:],
-                                               syncs=self._syncs.per_step(PROFILED_STEPS))  # fmt: skip
-                self._profiler = self._syncs = None
+                self.profile = profile_summary(events, PROFILED_STEPS, wall_s=self.step_s[-PROFILED_STEPS:])
+                self._profiler = None
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.b_norm = lora_b_norm(pl_module.model)
@@ -838,7 +772,6 @@ def markdown(report: dict[str, Any]) -> str:
             if wall and prof["total_ms_per_step"] <= wall
             else ""
         )
-        syncs = prof.get("host_syncs") or []
         lines += [
             "",
             f"Profile of {r['variant']} (micro-batch {r['micro_batch']}): {prof['total_ms_per_step']:,.1f} ms of "
@@ -856,10 +789,6 @@ def markdown(report: dict[str, Any]) -> str:
                 for t in prof["top"][:15]
             ),  # fmt: skip
         ]
-        if prof.get("host_syncs") is not None:
-            total = sum(x["per_step"] for x in syncs)
-            lines += ["", f"Host-device synchronisations per step: {total:g} (the code that asked for each)", ""]
-            lines += [f"- {x['per_step']:g} x `{x['site']}`" for x in syncs[:12]]
     lines += ["", "Per-step losses:", "", "| step | " + " | ".join(r["variant"] for r in report["rows"]) + " |"]
     lines.append("|---" * (len(report["rows"]) + 1) + "|")
     n = max((len(r.get("losses", [])) for r in report["rows"]), default=0)
