@@ -32,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -730,6 +731,55 @@ def damaged_checkpoint() -> str:
 def foreign_directory(into: Path) -> None:
     (into / "proj" / "data").mkdir(parents=True)
     (into / "proj" / "notes.txt").write_text("my notes\n")
+
+
+def stopped_by(session: Session, command: str, sig: int, ready: Callable[[str], bool]) -> str:
+    """Start `command` in the session's directory, send `sig` once `ready(output so far)` holds, and return the
+    run's last line (exp's message of how it stopped); exit status 75 expected."""
+    log = session.dir / f"signal-{len(session.done)}.out"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=session.dir, env=session.env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        started = time.time()
+        while proc.poll() is None and not ready(log.read_text(errors="replace")):
+            if time.time() - started > 1800:
+                proc.kill()
+                raise SystemExit(f"readme_figures: `{command}` never reached the moment to signal")
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=600)
+    output = log.read_text(errors="replace")
+    session.done.append(Done(command, session.relative(output), code, time.time() - started, os.getloadavg()[0]))
+    session.save()
+    if code != 75:
+        raise SystemExit(f"readme_figures: `{command}` exited {code} after the signal, not 75:\n{output[-3000:]}")
+    return next(line for line in reversed(session.relative(output).splitlines()) if line.startswith("exp: stopped by"))
+
+
+@figure("signal-messages", "docs/resume.md")
+def signal_messages() -> str:
+    session = Session("signal-messages")
+
+    def logged(run: str, text: str) -> Callable[[str], bool]:
+        """Once the run's train.log holds `text` (the console's bar is redrawn only every 30 s into a file)."""
+        path = session.dir / run / "train.log"
+        return lambda out: path.exists() and text in path.read_text(errors="replace")
+
+    training = stopped_by(
+        session, "python -m exp.train trainer.max_steps=400 logger=csv hydra.run.dir=runD", signal.SIGTERM,
+        logged("runD", "step 50:"),
+    )  # fmt: skip
+    starting = stopped_by(
+        session, "python -m exp.train logger=csv hydra.run.dir=runS", signal.SIGINT,
+        lambda out: (session.dir / "runS" / "status.json").exists(),  # claimed, still loading torch and Lightning
+    )  # fmt: skip
+    final = stopped_by(
+        session,
+        "python -m exp.train trainer.max_steps=20 trainer.val_every_n_steps=100 logger=csv hydra.run.dir=first",
+        signal.SIGTERM,
+        logged("first", "`Trainer.fit` stopped"),
+    )
+    return "```\n" + "\n".join((training, starting, final)) + "\n```"
 
 
 refusals("foreign-run-dir", "docs/resume.md", "python -m exp.train hydra.run.dir=proj", setup=foreign_directory)
