@@ -302,6 +302,21 @@ def default_run_block() -> str:
     return f"{caption}\n\n```\n{final_bar(done)}\n\n{summary(done)}\n```"
 
 
+@figure("install", "README.md")
+def install() -> str:
+    """What `make train` installs on a fresh machine, timed: a new virtualenv, then the Makefile's install."""
+    session = Session("install")
+    session.run(f"{shlex.quote(sys.executable)} -m venv venv")
+    # The Makefile's own command (without an NVIDIA driver: the CPU build of torch), into the fresh environment.
+    done = session.run(f"venv/bin/python -m pip install -q -e {shlex.quote(str(ROOT))} -c {ROOT}/constraints/cpu.txt")
+    return prose(
+        f"`make train` trains for a few minutes on two CPU cores (the [example](#what-the-default-run-does) gives the "
+        f"time and the machine's load); on a fresh machine its install comes first: {done.seconds:.0f} s here into a "
+        f"new virtualenv, from the local package index (mean load {done.load:.1f} on {os.cpu_count()} cores). Pass extra "
+        'arguments with `make train ARGS="lora.r=16"`, or, once installed, call `python -m exp.train lora.r=16` directly.'
+    )
+
+
 refusals(
     "bad-input",
     "README.md",
