@@ -254,9 +254,12 @@ def test_chunked_metrics_match_the_full_logits_metrics(softcap):
     logits = torch.tanh(logits / softcap) * softcap if softcap else logits
     # Row 0 answered perfectly (teacher-forced): every next response token is the arg-max.
     labels[0, 3:] = logits[0, 2:-1].argmax(-1)
-    full = response_metrics(logits, labels)
+    rows = torch.arange(b).repeat_interleave(t)
+    full = response_metrics(logits, labels, rows)
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    got = chunked_response_metrics(hidden.reshape(b * t, -1), weight, targets.reshape(-1), b, softcap, chunk_tokens=4)
+    got = chunked_response_metrics(
+        hidden.reshape(b * t, -1), weight, targets.reshape(-1), rows, softcap, chunk_tokens=4
+    )
     assert got["loss_sum"].item() == pytest.approx(full["loss_sum"].item(), rel=1e-6)  # both in fp32
     assert {k: int(got[k]) for k in ("tokens", "hits", "exact", "examples")} == {
         k: int(full[k]) for k in ("tokens", "hits", "exact", "examples")

@@ -16,6 +16,7 @@ from exp.data.datamodule import (
     build_run_datamodule,
     collate,
     collate_flat,
+    collate_flat_row,
     loss_tokens,
     sequence_boundaries,
     shuffled_batches,
@@ -28,6 +29,7 @@ from exp.data.padding_free import (
     largest_load,
     micro_batches_per_step,
     row_length,
+    validation_groups,
 )
 from exp.model import varlen
 from exp.training.module import step_token_weighted
@@ -249,6 +251,7 @@ def test_padding_free_steps_hold_the_padded_steps_examples(tmp_path):
             "trainer.global_batch_size=16",
             "trainer.max_steps=12",
             "hardware.micro_batch_tokens=1024",
+            "data.val_size=0.3",
         ]
     )
     dm = build_run_datamodule(cfg, build_tokenizer(cfg.model), num_workers=0)
@@ -275,6 +278,19 @@ def test_padding_free_steps_hold_the_padded_steps_examples(tmp_path):
         assert int(batch["real_tokens"]) == sum(lengths[i] for i in group)
         assert float(batch["step_loss_tokens"]) == total
         assert batch["input_ids"].shape == (1, row_length(int(batch["real_tokens"])))
+    # Validation is padding-free too: every held-out example exactly once, rows within the budget.
+    val_rows = list(dm.val_dataloader())
+    assert len(val_rows) >= 2 and all(b["input_ids"].shape[0] == 1 for b in val_rows)
+    assert all(b["input_ids"].shape[1] <= 1024 and "attention_mask" not in b for b in val_rows)
+    held_out = sorted(tuple(e.input_ids) for e in dm.val_set)
+    seen = []
+    for b in val_rows:
+        ids, starts = b["input_ids"][0].tolist(), b["cu_seq_lens_q"].tolist()
+        seen += [tuple(ids[a:z]) for a, z in zip(starts, starts[1:], strict=False)]
+    # Every segment between restarts is a held-out example but a row's padding tail.
+    assert sorted(x for x in seen if x in set(held_out)) == held_out and len(seen) <= len(held_out) + len(val_rows)
+    real = sum(len(e.input_ids) for e in dm.val_set)
+    assert 1 - real / sum(b["input_ids"].numel() for b in val_rows) <= 0.05
 
 
 def test_padded_batching_is_unchanged_without_padding_free(tmp_path):
@@ -310,3 +326,56 @@ def test_packed_rows_with_varlen_equal_sdpa_mask():
         model.config._attn_implementation = "varlen"
         got = model(**batch).loss
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("impl", ["hf", "chunked"])
+def test_padding_free_validation_metrics_equal_padded(family, impl):
+    """Validation's sums (loss, hits, exact matches, examples) over padding-free rows equal those over padded
+    batches: each example is scored by itself, exact match included, across several rows of a small budget."""
+    from exp.core.config import LossImpl
+    from exp.model.metrics import batch_response_metrics
+
+    model = tiny_model(family).eval()
+    step = examples()
+    with torch.no_grad():
+        padded = collate(step, pad_id=0)
+        logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+    # Two examples answered perfectly (teacher-forced): their response labels are the model's arg-max, so exact
+    # match has something to count; the inputs are unchanged.
+    for i in (1, 3):
+        n, labels = LENGTHS[i], step[i].labels
+        best = logits[i, : n - 1].argmax(-1).tolist()
+        step[i] = Encoded(
+            step[i].input_ids,
+            [labels[0]] + [b if t != IGNORE_INDEX else t for b, t in zip(best, labels[1:], strict=True)],
+        )
+
+    def sums(batches):
+        out: dict[str, float] = {}
+        with torch.no_grad():
+            for b in batches:
+                for k, v in batch_response_metrics(model, b, LossImpl(impl)).items():
+                    out[k] = out.get(k, 0.0) + float(v)
+        return out
+
+    ref = sums([collate(step[:3], pad_id=0), collate(step[3:], pad_id=0)])
+    groups = validation_groups(LENGTHS, token_budget=48)
+    assert len(groups) >= 3 and sorted(i for g in groups for i in g) == list(range(len(step)))
+    got = sums([collate_flat_row([step[i] for i in g], pad_id=0) for g in groups])
+    assert got["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-5)
+    assert {k: got[k] for k in ("tokens", "hits", "exact", "examples")} == {
+        k: ref[k] for k in ("tokens", "hits", "exact", "examples")
+    }
+    assert ref["exact"] >= 2 and ref["examples"] == len(step)
+
+
+def test_validation_groups_are_the_fewest_within_the_budget_and_a_multiple_of_the_ranks():
+    lengths = [random.Random(i).randint(5, 200) for i in range(101)]
+    for budget, world in ((256, 1), (512, 2), (1000, 4), (200, 3)):
+        groups = validation_groups(lengths, budget, world)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert largest_load(groups, lengths) <= budget and len(groups) % world == 0
+        fewest = -(-sum(lengths) // budget)
+        assert len(groups) >= fewest
+    assert validation_groups([], 64) == []

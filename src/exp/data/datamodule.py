@@ -28,7 +28,14 @@ from exp.core.constants import IGNORE_INDEX
 from exp.data.files import READERS, diagnose, list_files, missing_columns
 from exp.data.formats import BadRow, Rendered, format_prompt, render_row
 from exp.data.packing import Packed, concatenate, pack
-from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, row_length
+from exp.data.padding_free import (
+    PLAN_EPOCHS,
+    FlatBatching,
+    balanced_split,
+    micro_batches_per_step,
+    row_length,
+    validation_groups,
+)
 from exp.data.synthetic import generate_examples
 from exp.data.worker import run_in_child
 
@@ -567,6 +574,12 @@ def collate_flat(items: list[tuple[Encoded, int]], pad_id: int) -> dict[str, tor
     return batch
 
 
+def collate_flat_row(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Held-out examples end to end in one padding-free row (no step total: validation sums, it does not weight)."""
+    row = concatenate(examples, IGNORE_INDEX)
+    return collate([row], pad_id, width=row_length(len(row.input_ids)))
+
+
 class TrainStream(Sampler[list[int]]):
     """Every micro-batch one rank trains on, epoch after epoch without end, from any position.
 
@@ -635,7 +648,8 @@ def padding_stats(rows: list, batches: list[list[int]], flat: bool = False) -> d
 
 class InstructionDataModule(L.LightningDataModule):
     """The splits of `build_splits`, batched: training padded, length-grouped, packed or padding-free (`flat`:
-    exp.data.padding_free); validation padded, in batches of similar length."""
+    exp.data.padding_free); validation padding-free with padding-free training, else padded in batches of similar
+    length."""
 
     def __init__(
         self,
@@ -824,10 +838,21 @@ class InstructionDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        # Never packed: validation metrics (exact match) are per example, i.e. per row. The metrics are sums over
-        # the split, so the order is free: longest first, so that each batch pads to a similar length (a step-0
-        # validation of real data in split order is mostly padding) and the first batch shows the peak.
+        # Never packed: validation metrics (exact match) are per example. The metrics are sums over the split, so the
+        # order is free. Padding-free training validates padding-free too (exp.data.padding_free.validation_groups:
+        # the held-out examples end to end in token-budget rows, each example scored apart by its position
+        # restarts); padded, the examples go longest first, so that each batch pads to a similar length (a
+        # step-0 validation of real data in split order is mostly padding) and the first batch shows the peak.
         rank, world = self._rank()
+        if self.flat is not None:
+            lengths = [len(e.input_ids) for e in self.val_set]
+            groups = validation_groups(lengths, self.flat.token_budget, world)
+            return DataLoader(
+                self.val_set,
+                batch_sampler=groups[rank::world],
+                collate_fn=functools.partial(collate_flat_row, pad_id=self.tokenizer.pad_token_id),
+                num_workers=self.num_workers,
+            )
         return DataLoader(
             self.val_set,
             batch_size=self.micro_batch_size,

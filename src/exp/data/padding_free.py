@@ -19,6 +19,7 @@ shapes; that rounding is the only padding.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 # Rows are padded up to a multiple of this many tokens (tensor-core friendly): at most 15 padding tokens per
@@ -44,11 +45,11 @@ def balanced_split(indices: list[int], lengths: list[int], parts: int) -> list[l
     """`indices` (examples of one step) into `parts` groups of about equal token counts: longest first, each to the
     lightest group so far (ties: the lower group). Each group keeps the step's order. Deterministic."""
     groups: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
+    lightest = [(0, j) for j in range(parts)]  # (load, group): a heap, so the lightest (then lowest) group is first
     for position in sorted(range(len(indices)), key=lambda p: (-lengths[indices[p]], p)):
-        g = min(range(parts), key=lambda j: (loads[j], j))
+        load, g = heapq.heappop(lightest)
         groups[g].append(position)
-        loads[g] += lengths[indices[position]]
+        heapq.heappush(lightest, (load + lengths[indices[position]], g))
     return [[indices[p] for p in sorted(group)] for group in groups]
 
 
@@ -64,6 +65,23 @@ def micro_batches_per_step(steps: list[list[int]], lengths: list[int], plan: Fla
         while k < most and largest_load(balanced_split(step, lengths, k), lengths) > plan.token_budget:
             k += world
     return k
+
+
+def validation_groups(lengths: list[int], token_budget: int, world_size: int = 1) -> list[list[int]]:
+    """The held-out examples (indices into `lengths`) in padding-free micro-batches of at most `token_budget` tokens:
+    the fewest groups, a multiple of the ranks (so that every rank runs as many forward passes, which FSDP's
+    gathers need), of about equal token counts. Without gradients a micro-batch costs less than a training one of
+    the same tokens, so the training budget bounds validation's memory too."""
+    indices = list(range(len(lengths)))
+    if not indices:
+        return []
+    fewest = -(-sum(lengths) // token_budget)
+    k = min(len(indices), -(-fewest // world_size) * world_size)
+    groups = balanced_split(indices, lengths, k)
+    while k < len(indices) and largest_load(groups, lengths) > token_budget:
+        k = min(len(indices), k + world_size)
+        groups = balanced_split(indices, lengths, k)
+    return [g for g in groups if g]
 
 
 def row_length(tokens: int) -> int:

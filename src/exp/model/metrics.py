@@ -19,36 +19,46 @@ from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
 from exp.model.loss import head_inputs
 
 
-def response_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+def response_metrics(logits: torch.Tensor, labels: torch.Tensor, examples: torch.Tensor) -> dict[str, torch.Tensor]:
     """Summed loss, token hits and exact matches over loss-bearing (response) tokens of a batch.
 
     Sums, not means, so that metrics over a whole split weight every token (and every example) equally.
     Exact match is teacher-forced: every response token (and `<eos>`) is the arg-max, which is exactly when
-    greedy decoding reproduces the reference answer.
+    greedy decoding reproduces the reference answer. `examples`: `example_ids` of the batch.
     """
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    mask = shift_labels != IGNORE_INDEX
-    loss_sum = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    hits = (shift_logits.argmax(-1) == shift_labels) & mask
-    return _sums(loss_sum, hits, mask)
+    targets = next_tokens(labels)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    mask = targets != IGNORE_INDEX
+    loss_sum = F.cross_entropy(flat_logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    hits = (flat_logits.argmax(-1) == targets) & mask
+    return _sums(loss_sum, hits, mask, examples)
+
+
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts (the next one; IGNORE_INDEX at a row's end), rows flattened."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
+
+
+def example_ids(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Which example each position of `batch` belongs to, rows flattened: its row in a padded batch; in a
+    padding-free row (`position_ids`, no `attention_mask`) the number of position restarts before it, less one. A
+    row's padding tail restarts too and forms an "example" with no loss token, which no metric counts."""
+    labels = batch["labels"]
+    if "position_ids" in batch and "attention_mask" not in batch:
+        return (batch["position_ids"].reshape(-1) == 0).cumsum(0) - 1
+    return torch.arange(labels.shape[0], device=labels.device).repeat_interleave(labels.shape[1])
 
 
 def chunked_response_metrics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    batch_size: int,
+    examples: torch.Tensor,
     softcap: float | None = None,
     chunk_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """`response_metrics` from the head's input: `hidden` [N, H] rows, `weight` [V, H], `targets` [N] (the next
-    token, IGNORE_INDEX where no loss is taken), N = batch_size x seq. Only one chunk's logits exist at once; they
+    token, IGNORE_INDEX where no loss is taken), `examples` [N] (`example_ids`). Only one chunk's logits exist at once; they
     are computed in the dtype autocast or the inputs give (as the head would), softcap and log-softmax in fp32."""
     if chunk_tokens is None:
         chunk_tokens = max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
@@ -66,7 +76,7 @@ def chunked_response_metrics(
         loss_sum += torch.where(ok, token_loss, 0.0).sum()
         hits[start:end] = (z.argmax(-1) == t) & ok
         del z
-    return _sums(loss_sum, hits.reshape(batch_size, -1), mask.reshape(batch_size, -1))
+    return _sums(loss_sum, hits, mask, examples)
 
 
 def batch_response_metrics(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> dict[str, torch.Tensor]:
@@ -76,18 +86,24 @@ def batch_response_metrics(model: nn.Module, batch: dict[str, torch.Tensor], imp
         # No labels (transformers would compute a second loss over fp32 logits) and no KV cache (nothing is
         # generated; with a compiled layer the cache's bookkeeping also makes Dynamo recompile).
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        return response_metrics(model(**inputs, use_cache=False).logits, batch["labels"])
+        logits = model(**inputs, use_cache=False).logits
+        return response_metrics(logits, batch["labels"], example_ids(batch).to(logits.device))
     h = head_inputs(model, batch)
-    return chunked_response_metrics(h.hidden, h.weight, h.targets, batch["labels"].shape[0], h.softcap)
+    return chunked_response_metrics(h.hidden, h.weight, h.targets, example_ids(batch).to(h.targets.device), h.softcap)
 
 
-def _sums(loss_sum: torch.Tensor, hits: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The summed metrics from per-token hits and loss-bearing mask [batch, positions]."""
-    exact = (hits | ~mask).all(dim=1) & mask.any(dim=1)
+def _sums(
+    loss_sum: torch.Tensor, hits: torch.Tensor, mask: torch.Tensor, examples: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The summed metrics from per-position hits, loss-bearing mask and example ids (all [N]). An example is an exact
+    match when none of its loss tokens is missed; examples without a loss token are not counted."""
+    missed = torch.zeros(examples.numel(), dtype=torch.int32, device=mask.device)
+    missed.index_add_(0, examples, (mask & ~hits).int())
+    scored = torch.zeros_like(missed).index_add_(0, examples, mask.int())
     return {
         "loss_sum": loss_sum.detach(),
         "tokens": mask.sum(),
         "hits": hits.sum(),
-        "exact": exact.sum(),
-        "examples": mask.any(dim=1).sum(),
+        "exact": ((missed == 0) & (scored > 0)).sum(),
+        "examples": (scored > 0).sum(),
     }

@@ -156,6 +156,12 @@ class QLoRAModule(L.LightningModule):
         # The training metrics logged during the current optimiser step (tensors, read only when exp logs them).
         self._step_logged: dict[str, Any] = {}
         self._val_sums: dict[str, torch.Tensor] = {}
+        self._val_started = 0.0
+        self._val_batches = 0
+        # Seconds of the current validation spent on the samples' greedy answers (exp.training.samples adds them).
+        self.samples_seconds = 0.0
+        # Every validation's cost: step, seconds (samples included), the samples' share, examples, micro-batches.
+        self.validation_times: list[dict[str, Any]] = []
         self._step_started: float | None = None
         self._step_tokens = 0
         self._batch_tokens = 0  # real tokens of the next training batch, counted before its transfer
@@ -340,10 +346,12 @@ class QLoRAModule(L.LightningModule):
             "padding_fraction": round(statistics.mean(self.step_padding), 4) if self.step_padding else None,
             "peak_memory_gib": round(peak, 2) if peak is not None else None,
             "compile": compile_summary() if self.cfg.hardware.compile is True else None,
+            "validation_seconds": self.validation_times,
         }
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        self._val_started, self._val_batches, self.samples_seconds = time.perf_counter(), 0, 0.0
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # Eager, also where the layers are compiled: without gradients every compiled layer would compile again
@@ -353,11 +361,13 @@ class QLoRAModule(L.LightningModule):
             metrics = batch_response_metrics(self.model, batch, self.loss_choice.impl)
         for k, v in metrics.items():
             self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
+        self._val_batches += 1
 
     def on_validation_epoch_end(self) -> None:
         sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
         if not sums:
             return
+        self._record_validation_time(int(sums["examples"]))
         metrics = {
             "val/loss": float(sums["loss_sum"] / sums["tokens"]),
             "val/token_accuracy": float(sums["hits"] / sums["tokens"]),
@@ -374,6 +384,28 @@ class QLoRAModule(L.LightningModule):
         self.last_val_step = self.trainer.global_step if self.trainer.state.fn == "fit" else None
         for k, v in metrics.items():
             self.log(k, v, prog_bar=k == "val/loss", sync_dist=False)
+
+    def _record_validation_time(self, examples: int) -> None:
+        """What this validation cost (read after the metrics' reduction, which waits for the device)."""
+        seconds = time.perf_counter() - self._val_started
+        step = 0 if self.trainer.sanity_checking else self.trainer.global_step
+        self.validation_times.append(
+            {
+                "step": step,
+                "seconds": round(seconds, 2),
+                "samples_seconds": round(self.samples_seconds, 2),
+                "examples": examples,
+                "micro_batches": self._val_batches,
+            }
+        )
+        log.info(
+            "validation at step %d: %d examples in %d micro-batch(es), %.1f s (the samples' answers %.1f s of it)",
+            step,
+            examples,
+            self._val_batches,
+            seconds,
+            self.samples_seconds,
+        )
 
     def on_train_start(self) -> None:
         # Lightning restores the modes modules had before validation; make sure training mode (dropout,
@@ -432,6 +464,7 @@ class QLoRAModule(L.LightningModule):
             "padding_fraction": combine("padding_fraction", statistics.mean),
             "peak_memory_gib": combine("peak_memory_gib", max),
             "compile": ranks[0]["compile"],
+            "validation_seconds": ranks[0]["validation_seconds"],
             "per_rank": ranks,
         }
 

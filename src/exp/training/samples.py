@@ -9,6 +9,7 @@ default the first `trainer.sample_count` held-out examples, cut where their resp
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ class SampleGenerations(L.Callback):
             return
         self.done_steps.add(step)
         model = pl_module.model
+        started = time.perf_counter()
         was_training = model.training
         model.eval()
         answers = []
@@ -108,6 +110,7 @@ class SampleGenerations(L.Callback):
                     answers.append(self._greedy(model, ids, pl_module.device))
         finally:
             model.train(was_training)
+            pl_module.samples_seconds = time.perf_counter() - started
         decode = self.tokenizer.decode
         new_rows = [[step, decode(p, skip_special_tokens=True), a] for p, a in zip(self.prompts, answers, strict=True)]
         self.rows += new_rows
