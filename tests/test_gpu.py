@@ -130,7 +130,10 @@ def test_liger_loss_in_few_chunks_equals_the_chunked_loss(softcap):
         results[name] = (loss.float().item(), h.grad.float(), peak)
     (chunked, chunked_grad, _), (liger, liger_grad, liger_peak) = results["chunked"], results["liger"]
     assert liger == pytest.approx(chunked, rel=2e-3)
-    assert torch.allclose(liger_grad, chunked_grad, rtol=0, atol=2e-3 * chunked_grad.abs().max().item())
+    # Both gradients are bf16 (an ulp is 0.4-0.8% of a value) summed in different orders: compare as a whole (1% of
+    # the gradient's norm) and element-wise within two ulps of the largest element.
+    assert (liger_grad - chunked_grad).norm() <= 1e-2 * chunked_grad.norm()
+    assert (liger_grad - chunked_grad).abs().max() <= 2 * 2**-7 * chunked_grad.abs().max()
     estimate = _fused_loss_peak_bytes("liger", tokens, vocab, width, 2, softcap is not None)
     # The estimate also counts the decoder's output H, which exists before the loss starts.
     assert liger_peak <= estimate, (liger_peak, estimate)
