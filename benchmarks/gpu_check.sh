@@ -38,8 +38,9 @@
 #                or `again`: the first one again, on the caches the first run left; default Gemma 3 1B for 20 steps,
 #                again, Gemma 2 2B 20, the 7B shape 200, Gemma-2B 20, Gemma 3 4B 20); console logs and summary.json
 #                (compile time and graph count) in train/
-#   pfprofile    exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, exp only, 8 examples a step, the first timed
-#                steps profiled: where a padding-free step's time goes and the device's idle share of the step
+#   pfprofile    exp.bench real-data mode on $EXP_ALPACA, $PF_MODEL (Gemma-7B shape), exp only, 8 examples a step,
+#                the first timed steps profiled: where a padding-free step's time goes and the device's idle share
+#   liger        python -m pytest -m gpu: liger's fused loss in exp's chunks against exp's chunked loss alone
 #   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
 #                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -226,8 +227,11 @@ run_stage() {
     pfprofile)
       # exp's real-data default (varlen attention) with its first timed steps profiled: device time by kind and the
       # device's idle share of the step.
-      stage pfprofile 300 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=8 warmup=3 profile=true \
-        variant=exp ;;
+      stage "pfprofile_${PF_MODEL:-gemma_7b}" 300 "${BENCH[@]}" model=${PF_MODEL:-gemma_7b} data="$ALPACA" seq=2048 \
+        micro_batch=8 steps=8 warmup=3 profile=true variant=exp ;;
+    liger)
+      stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
+        -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;
     valprof)
       stage valprof 240 python3 benchmarks/val_profile.py model=${VALPROF_MODEL:-gemma3_1b} model.random_init=true \
         hardware=gpu data=alpaca data.path="$ALPACA" data.max_seq_len=2048 trainer=default trainer.max_steps=10 \

@@ -384,6 +384,28 @@ def test_training_writes_samples_at_every_validation(short_run, loaded):
     assert copied == heldout
 
 
+def test_samples_batched_greedy_answers_equal_one_prompt_at_a_time():
+    """The samples' one left-padded generate call gives each prompt the answer it gets alone (untrained adapters:
+    the answers run the whole sample length)."""
+    from conftest import compose_typed
+
+    from exp.generate import prompt_ids
+    from exp.model.build import build_model, build_tokenizer
+    from exp.training.samples import SampleGenerations
+
+    cfg = compose_typed(["logger=none", "trainer.sample_max_new_tokens=12"])
+    model, tokenizer = build_model(cfg, "cpu").eval(), build_tokenizer(cfg.model)
+    sampler = SampleGenerations(cfg, Path("unused"))
+    sampler.tokenizer = tokenizer
+    words = ["river stone", "seven blue quick model answer light paper green under", "over"]
+    prompts = [prompt_ids(tokenizer, "Repeat the words exactly.", w, "alpaca") for w in words]
+    assert len({len(p) for p in prompts}) == 3  # different lengths: the batch pads two of them
+    with torch.no_grad():
+        together = sampler._greedy(model, prompts, torch.device("cpu"))
+        alone = [sampler._greedy(model, [p], torch.device("cpu"))[0] for p in prompts]
+    assert together == alone and all(together)
+
+
 def build_datamodule(cfg, tokenizer):
     from exp.data.datamodule import build_datamodule as build
 

@@ -100,14 +100,12 @@ class SampleGenerations(L.Callback):
         started = time.perf_counter()
         was_training = model.training
         model.eval()
-        answers = []
         try:
             # Eager, even with compiled decoder layers (hardware.compile): decoding with a KV cache changes what the
             # compiled graphs guard on at every layer and step, and the recompiles would use up Dynamo's cache
             # (8 graphs per function) that the training steps need.
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                for ids in self.prompts:
-                    answers.append(self._greedy(model, ids, pl_module.device))
+                answers = self._greedy(model, self.prompts, pl_module.device)
         finally:
             model.train(was_training)
             pl_module.samples_seconds = time.perf_counter() - started
@@ -124,20 +122,27 @@ class SampleGenerations(L.Callback):
             if type(logger).__name__ == "WandbLogger":
                 logger.log_table(key="samples", columns=["step", "prompt", "answer"], data=self.rows, step=step)
 
-    def _greedy(self, model: Any, ids: list[int], device: torch.device) -> str:
+    def _greedy(self, model: Any, prompts: list[list[int]], device: torch.device) -> list[str]:
+        """Every prompt's greedy answer from one `generate` call: the prompts left-padded into one batch (masked
+        out), so the answers take as many decoding steps as the longest one, not their sum."""
         tok = self.tokenizer
         stops = [tok.eos_token_id]
         turn_end = tok.convert_tokens_to_ids("<end_of_turn>")
         if isinstance(turn_end, int) and turn_end != tok.unk_token_id:
             stops.append(turn_end)
-        x = torch.tensor([ids], device=device)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         out = model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=self.cfg.trainer.sample_max_new_tokens,
             do_sample=False,
             eos_token_id=stops,
             pad_token_id=tok.pad_token_id,
             use_cache=True,  # training turned the config's cache off; generation wants it
         )
-        return tok.decode(out[0, x.shape[1] :], skip_special_tokens=True)
+        return [tok.decode(row[width:], skip_special_tokens=True) for row in out]
