@@ -112,6 +112,17 @@ stage() {  # stage NAME DEFAULT_TIMEOUT COMMAND...
   local rc=$?
   log "stage $name: exit $rc after $((SECONDS - t0)) s"
   [ $rc -eq 0 ] || status=1
+  wait_gpu_released
+}
+# A stage stopped at its limit leaves a process that is still saving or exiting (and holding GPU memory): the next
+# stage's preflight would size itself to what that process leaves free. Wait (at most 60 s) until no process holds
+# memory on the GPU.
+wait_gpu_released() {
+  local waited=0
+  while [ $waited -lt 60 ] && [ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ]; do
+    sleep 2; waited=$((waited + 2))
+  done
+  [ $waited -eq 0 ] || log "waited $waited s for the last stage's processes to release the GPU"
 }
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
