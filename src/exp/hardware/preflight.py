@@ -557,7 +557,9 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     while padded micro-batches hold micro_batch x S x S: a token budget of m x S costs m times the padded batch's
     scores. So on a GPU Gemma 2 on eager trains padded micro-batches (the same steps, so nothing else changes).
     `flex_attention` (softcapping as its score modifier, the examples as its block mask) keeps padding-free rows
-    when chosen by hand; it is not chosen for the user because no H200 run has measured it yet. The CPU keeps
+    when chosen by hand. It is not chosen for the user: on one H100 its Gemma 2 2B run's first training step had
+    not finished after 82 s (compiling), and its eager validation materialises the whole score matrix
+    (benchmarks/results/families_h100_20261206). The CPU keeps
     padding-free rows on either mask (its memory is the host's, and its CPU twin is what the tests run)."""
     packed_rows = cfg.data.packing or cfg.hardware.padding_free
     if not packed_rows or not on_gpu:
@@ -581,7 +583,7 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
         notes.append(
             "hardware.padding_free=false: Gemma 2's eager attention would hold heads x T x T scores for each "
             "padding-free row of T tokens; padded micro-batches make the same steps (model.attn_implementation="
-            "flex_attention keeps padding-free rows, not yet measured on a GPU)"
+            "flex_attention keeps padding-free rows; on an H100 its first step had not ended after 80 s)"
         )
 
 
