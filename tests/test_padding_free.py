@@ -27,7 +27,9 @@ from exp.data.padding_free import (
     FlatBatching,
     balanced_split,
     largest_load,
+    micro_batch_slots,
     micro_batches_per_step,
+    pack_rows,
     row_length,
     validation_groups,
 )
@@ -126,10 +128,11 @@ def padded_step(model, step: list[Encoded], micro: int):
     return per_example, step_loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = True):
+def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = True, row_tokens: int | None = None):
     """The same from padding-free micro-batches, as exp trains them: `collate_flat` rows (their position ids and
-    sequence boundaries), transformers' own loss (`model(**batch).loss`, the mean over the row), re-weighted by
-    `step_token_weighted` and divided by the accumulation as Lightning does."""
+    sequence boundaries; several rows of at most `row_tokens` tokens when given), transformers' own loss
+    (`model(**batch).loss`, the mean over the micro-batch), re-weighted by `step_token_weighted` and divided by the
+    accumulation as Lightning does."""
     device = next(model.parameters()).device
     model.zero_grad()
     total = sum(loss_tokens(e) for e in step)
@@ -138,30 +141,42 @@ def flat_step(model, step: list[Encoded], parts: int, restart_positions: bool = 
     per_example: dict[int, float] = {}
     step_loss = 0.0
     for group in groups:
-        batch = collate_flat([(step[i], total) for i in group], pad_id=0)
-        assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
-        assert batch["input_ids"].shape[1] == row_length(sum(lengths[i] for i in group))
+        batch = collate_flat([(step[i], total) for i in group], pad_id=0, row_tokens=row_tokens)
+        rows = (
+            [group]
+            if row_tokens is None
+            else [
+                [group[p] for p in r]
+                for r in pack_rows(list(range(len(group))), [lengths[i] for i in group], row_tokens)
+            ]
+        )
+        assert "attention_mask" not in batch and batch["input_ids"].shape[0] == len(rows)
+        longest = max(sum(lengths[i] for i in r) for r in rows)
+        assert batch["input_ids"].shape[1] == row_length(longest)
+        assert row_tokens is None or longest <= row_tokens
         batch.pop("real_tokens")
         step_tokens = batch.pop("step_loss_tokens")
         if restart_positions:
             inputs = batch
         else:
             ids = batch["input_ids"]
-            inputs = {**sequence_boundaries(torch.arange(ids.shape[1])[None]), "input_ids": ids}
-            inputs["position_ids"], inputs["labels"] = torch.arange(ids.shape[1])[None], batch["labels"]
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            inputs = {**sequence_boundaries(positions), "input_ids": ids}
+            inputs["position_ids"], inputs["labels"] = positions, batch["labels"]
         batch, inputs = on(batch, device), on(inputs, device)
         out = model(**inputs)
         loss = step_token_weighted(out.loss, batch["labels"], step_tokens, accumulate=parts, world_size=1) / parts
         loss.backward()
         step_loss += loss.item()
-        t = token_losses(out.logits[0], batch["labels"][0])
-        start = 0
-        for i in group:
-            n = lengths[i]
-            segment = t[start : start + n - 1]  # position start + j predicts label start + j + 1, inside the example
-            counted = (batch["labels"][0, start + 1 : start + n] != IGNORE_INDEX).sum()
-            per_example[i] = (segment.sum() / counted).item()
-            start += n
+        for r, row in enumerate(rows):
+            t = token_losses(out.logits[r], batch["labels"][r])
+            start = 0
+            for i in row:
+                n = lengths[i]
+                segment = t[start : start + n - 1]  # position start + j predicts label start + j + 1, in the example
+                counted = (batch["labels"][r, start + 1 : start + n] != IGNORE_INDEX).sum()
+                per_example[i] = (segment.sum() / counted).item()
+                start += n
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return [per_example[i] for i in range(len(step))], step_loss, grads
 
@@ -179,8 +194,20 @@ def test_padding_free_losses_and_gradients_equal_padded(family, attn):
     assert_flat_step_equals_padded(model)
 
 
+def test_eager_rows_capped_at_a_length_equal_padded():
+    """Gemma 2 on eager attention (softcapping, a sliding window shorter than some examples): micro-batches of
+    several rows of at most 48 tokens (the step's examples first-fit into rows) give the padded step's per-example
+    losses, step loss and gradients."""
+    assert_flat_step_equals_padded(tiny_model("gemma2"), row_tokens=48)
+
+
 def assert_flat_step_equals_padded(
-    model, flat_attn: str | None = None, rel: float = 1e-5, grad_rtol: float = 1e-5, grad_atol: float = 1e-6
+    model,
+    flat_attn: str | None = None,
+    rel: float = 1e-5,
+    grad_rtol: float = 1e-5,
+    grad_atol: float = 1e-6,
+    row_tokens: int | None = None,
 ):
     """The padding-free step (with `flat_attn`, else the model's attention) gives the padded step's per-example
     losses, step loss and gradients; one long sequence instead (positions running on) gives other losses."""
@@ -189,7 +216,7 @@ def assert_flat_step_equals_padded(
     ref_examples, ref_loss, ref_grads = padded_step(model, step, micro=3)
     if flat_attn:
         model.config._attn_implementation = flat_attn
-    got_examples, got_loss, got_grads = flat_step(model, step, parts=2)
+    got_examples, got_loss, got_grads = flat_step(model, step, parts=2, row_tokens=row_tokens)
     assert got_examples == pytest.approx(ref_examples, rel=rel, abs=rel / 10)
     assert got_loss == pytest.approx(ref_loss, rel=rel)
     for name, g in ref_grads.items():
@@ -197,7 +224,7 @@ def assert_flat_step_equals_padded(
             got_grads[name], g, rtol=grad_rtol, atol=grad_atol, msg=lambda m, n=name: f"{n}: {m}"
         )
     # The check can fail: one long sequence (positions running on, attention across examples) gives other losses.
-    wrong_examples, _, _ = flat_step(model, step, parts=2, restart_positions=False)
+    wrong_examples, _, _ = flat_step(model, step, parts=2, restart_positions=False, row_tokens=row_tokens)
     assert max(abs(a - b) for a, b in zip(wrong_examples, ref_examples, strict=True)) > 1e-3
 
 
@@ -293,6 +320,54 @@ def test_padding_free_steps_hold_the_padded_steps_examples(tmp_path):
     assert 1 - real / sum(b["input_ids"].numel() for b in val_rows) <= 0.05
 
 
+@pytest.mark.slow
+def test_gemma2_eager_twin_trains_rows_capped_at_max_seq_len(tmp_path):
+    """The GPU configuration's CPU twin of a Gemma 2 (eager) run: its micro-batches are several rows of at most
+    data.max_seq_len tokens holding each step's examples, with little padding, and it trains."""
+    from exp.train import run
+
+    data = tmp_path / "varied.json"
+    varied_alpaca(data)
+    overrides = [
+        "model.family=gemma2",
+        "model.attn_implementation=eager",
+        "hardware=gpu",
+        "hardware.accelerator=cpu",
+        "data=alpaca",
+        f"data.path={data}",
+        "data.max_seq_len=128",
+        "hardware.micro_batch_tokens=512",
+        "trainer.global_batch_size=16",
+        "trainer.max_steps=3",
+        "trainer.val_every_n_steps=3",
+        "trainer.sample_count=0",
+        "logger=csv",
+    ]
+    from exp.model.build import build_tokenizer
+
+    cfg = compose_typed(overrides)
+    dm = build_run_datamodule(cfg, build_tokenizer(cfg.model), num_workers=0)
+    assert dm.flat.row_tokens == 128 and dm.flat.rows_per_micro_batch == 4
+    k = dm.step_micro_batches
+    plan, loader = dm.train_epoch_batches(0)[:k], iter(dm.train_dataloader())
+    lengths = [len(e.input_ids) for e in dm.train_set]
+    rows_seen = []
+    for group in plan:
+        batch = next(loader)
+        rows = batch["input_ids"].shape[0]
+        rows_seen.append(rows)
+        assert batch["input_ids"].shape[1] <= 128 and rows <= 4
+        assert int(batch["real_tokens"]) == sum(lengths[i] for i in group)
+        # Every row's examples restart their positions; the row holds no more than max_seq_len real tokens.
+        assert (batch["position_ids"][:, 0] == 0).all()
+    assert max(rows_seen) >= 2  # several rows in a micro-batch
+    assert dm.stats["train"]["padding_fraction"] <= 0.15
+    result = run(overrides, output_dir=tmp_path / "run")
+    summary = json.loads((result.output_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["data"]["train"]["row_tokens"] == 128
+    assert result.final_val["val/loss"] < result.initial_val["val/loss"]
+
+
 def test_padded_batching_is_unchanged_without_padding_free(tmp_path):
     data = tmp_path / "varied.json"
     varied_alpaca(data)
@@ -360,7 +435,7 @@ def test_padding_free_validation_metrics_equal_padded(family, impl):
         return out
 
     ref = sums([collate(step[:3], pad_id=0), collate(step[3:], pad_id=0)])
-    groups = validation_groups(LENGTHS, token_budget=48)
+    groups = validation_groups(LENGTHS, FlatBatching(48, len(LENGTHS)))
     assert len(groups) >= 3 and sorted(i for g in groups for i in g) == list(range(len(step)))
     got = sums([collate_flat_row([step[i] for i in g], pad_id=0) for g in groups])
     assert got["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-5)
@@ -373,9 +448,28 @@ def test_padding_free_validation_metrics_equal_padded(family, impl):
 def test_validation_groups_are_the_fewest_within_the_budget_and_a_multiple_of_the_ranks():
     lengths = [random.Random(i).randint(5, 200) for i in range(101)]
     for budget, world in ((256, 1), (512, 2), (1000, 4), (200, 3)):
-        groups = validation_groups(lengths, budget, world)
+        groups = validation_groups(lengths, FlatBatching(budget, len(lengths), world))
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
         assert largest_load(groups, lengths) <= budget and len(groups) % world == 0
         fewest = -(-sum(lengths) // budget)
         assert len(groups) >= fewest
-    assert validation_groups([], 64) == []
+    assert validation_groups([], FlatBatching(64, 1)) == []
+    capped = FlatBatching(600, len(lengths), 2, row_tokens=200)
+    groups = validation_groups(lengths, capped)
+    assert len(groups) % 2 == 0 and sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(pack_rows(g, lengths, 200)) <= 3 for g in groups)
+
+
+def test_capped_rows_fill_at_most_the_budgets_rows_and_count_their_padding():
+    lengths = [190, 120, 90, 60, 40, 30, 10, 200]
+    rows = pack_rows(list(range(8)), lengths, 200)
+    assert sorted(i for r in rows for i in r) == list(range(8))
+    assert all(sum(lengths[i] for i in r) <= 200 for r in rows) and all(r == sorted(r) for r in rows)
+    assert len(rows) == 4  # 740 tokens: first fit needs four rows, whose tokens are then balanced
+    assert max(sum(lengths[i] for i in r) for r in rows) == 200
+    plan = FlatBatching(400, 8, row_tokens=200)  # two rows a micro-batch
+    k = micro_batches_per_step([list(range(8))], lengths, plan)
+    assert k == 2 and all(len(pack_rows(g, lengths, 200)) <= 2 for g in balanced_split(list(range(8)), lengths, k))
+    # 190, 120 and 10 tokens: two rows, balanced to 190 and 130, both padded to the longest (rounded up).
+    assert micro_batch_slots([0, 6, 1], lengths, 200) == 2 * row_length(190)
+    assert micro_batch_slots([0, 6, 1], lengths, None) == row_length(320)

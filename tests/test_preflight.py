@@ -480,18 +480,27 @@ def test_padding_free_token_budget_is_the_most_the_memory_holds():
     assert kept.micro_batch_tokens == 4096
 
 
-def test_padding_free_gemma2_on_eager_trains_padded_micro_batches_on_a_gpu_only():
+def test_padding_free_gemma2_on_eager_takes_rows_capped_at_max_seq_len():
+    """Gemma 2 (eager) keeps padding-free micro-batches on a GPU, as rows of at most data.max_seq_len tokens within
+    the token budget the preflight fits from the padded estimate of as many rows; flex_attention keeps one row."""
+    from exp.data.datamodule import flat_batching
+
     env = Environment(torch_cuda="13.0", gpus=[Gpu("NVIDIA H200", 140 * 2**30, 139 * 2**30, (9, 0))])
     gpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu"]), env)
-    assert gpu.ok and gpu.cfg.model.attn_implementation == "eager" and not gpu.cfg.hardware.padding_free
-    assert gpu.cfg.hardware.micro_batch_tokens is None  # no token budget for padded micro-batches
-    assert any("hardware.padding_free=false: Gemma 2's eager attention" in n for n in gpu.notes)
+    assert gpu.ok and gpu.cfg.model.attn_implementation == "eager" and gpu.cfg.hardware.padding_free
+    budget = gpu.cfg.hardware.micro_batch_tokens
+    assert budget is not None and budget % gpu.cfg.data.max_seq_len == 0
+    assert any("eager attention (Gemma 2's, for its softcapping)" in n for n in gpu.notes)
+    plan = flat_batching(gpu.cfg)
+    assert plan.row_tokens == gpu.cfg.data.max_seq_len and plan.rows_per_micro_batch == budget // plan.row_tokens
     flex = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
                                 "model.attn_implementation=flex_attention"]), env)  # fmt: skip
     assert flex.ok and flex.cfg.hardware.padding_free and flex.cfg.model.attn_implementation == "flex_attention"
+    assert flat_batching(flex.cfg).row_tokens is None
     cpu = check(compose_typed(["model=gemma2_2b", "model.random_init=true", "hardware=gpu",
                                "hardware.accelerator=cpu"]), Environment())  # fmt: skip
     assert cpu.cfg.model.attn_implementation == "eager" and cpu.cfg.hardware.padding_free
+    assert flat_batching(cpu.cfg).row_tokens == cpu.cfg.data.max_seq_len
 
 
 def test_auto_dequantized_layers_spends_only_what_the_other_choices_leave():

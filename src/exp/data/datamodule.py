@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ from exp.data.padding_free import (
     PLAN_EPOCHS,
     FlatBatching,
     balanced_split,
+    micro_batch_slots,
     micro_batches_per_step,
+    pack_rows,
     row_length,
     validation_groups,
 )
@@ -563,21 +565,33 @@ def collate_with_step_tokens(items: list[tuple[Encoded | Packed, int]], pad_id: 
     return batch
 
 
-def collate_flat(items: list[tuple[Encoded, int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """A padding-free micro-batch: its examples end to end in one row (exp.data.padding_free), rounded up to
-    PAD_MULTIPLE tokens, with its step's loss-token total and its real token count (`real_tokens`, read and removed
-    by the module before the model sees the batch)."""
-    row = concatenate([e for e, _ in items], IGNORE_INDEX)
-    batch = collate([row], pad_id, width=row_length(len(row.input_ids)))
+def collate_flat(
+    items: list[tuple[Encoded, int]], pad_id: int, row_tokens: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A padding-free micro-batch (exp.data.padding_free) with its step's loss-token total and its real token count
+    (`real_tokens`, read and removed by the module before the model sees the batch)."""
+    batch = flat_rows([e for e, _ in items], pad_id, row_tokens)
     batch["step_loss_tokens"] = torch.tensor(float(items[0][1]))
-    batch["real_tokens"] = torch.tensor(len(row.input_ids))
+    batch["real_tokens"] = torch.tensor(sum(len(e.input_ids) for e, _ in items))
     return batch
 
 
-def collate_flat_row(examples: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
-    """Held-out examples end to end in one padding-free row (no step total: validation sums, it does not weight)."""
-    row = concatenate(examples, IGNORE_INDEX)
-    return collate([row], pad_id, width=row_length(len(row.input_ids)))
+def flat_rows(examples: list[Encoded], pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Examples end to end: one row, or (`row_tokens`) rows of at most that many tokens (`pack_rows`), each rounded
+    up to PAD_MULTIPLE tokens and padded to the longest."""
+    lengths = [len(e.input_ids) for e in examples]
+    groups = (
+        [list(range(len(examples)))]
+        if row_tokens is None
+        else pack_rows(list(range(len(examples))), lengths, row_tokens)
+    )
+    rows = [concatenate([examples[i] for i in g], IGNORE_INDEX) for g in groups]
+    return collate(rows, pad_id, width=row_length(max(len(r.input_ids) for r in rows)))
+
+
+def collate_flat_row(examples: list[Encoded], pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Held-out examples, padding-free (no step total: validation sums, it does not weight)."""
+    return flat_rows(examples, pad_id, row_tokens)
 
 
 class TrainStream(Sampler[list[int]]):
@@ -630,13 +644,16 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def padding_stats(rows: list, batches: list[list[int]], flat: bool = False) -> dict[str, float]:
+def padding_stats(rows: list, batches: list[list[int]], flat: FlatBatching | None = None) -> dict[str, float]:
     """Padding fraction and loss-bearing tokens per batch for `batches` (lists of indices into `rows`), padded to
-    the longest row or (`flat`) laid end to end in one row of `row_length`."""
+    the longest row or (`flat`) laid end to end as exp.data.padding_free lays them."""
     slots = real = loss = 0
     for b in batches:
         lens = [len(rows[i].input_ids) for i in b]
-        slots += row_length(sum(lens)) if flat else max(lens) * len(b)
+        if flat is not None:
+            slots += micro_batch_slots(list(range(len(b))), lens, flat.row_tokens)
+        else:
+            slots += max(lens) * len(b)
         real += sum(lens)
         loss += sum(loss_tokens(rows[i]) for i in b)
     return {
@@ -695,7 +712,7 @@ class InstructionDataModule(L.LightningDataModule):
             f", {len(self.packed)} packed rows"
             if self.packed is not None
             else f", padding-free: {self.step_micro_batches} micro-batch(es) of <= {self.flat.token_budget} tokens "
-            "per step"
+            "per step" + (f" in rows of <= {self.flat.row_tokens} tokens" if self.flat.row_tokens is not None else "")
             if self.flat is not None
             else "",
         )
@@ -721,10 +738,12 @@ class InstructionDataModule(L.LightningDataModule):
     def train_batch_stats(self) -> dict[str, float]:
         """Padding and loss-bearing tokens per batch of one training epoch, as the train loader batches it."""
         rows = self.packed if self.packed is not None else self.train_set
-        stats = padding_stats(rows, self.train_epoch_batches(0), flat=self.flat is not None)
+        stats = padding_stats(rows, self.train_epoch_batches(0), flat=self.flat)
         if self.flat is not None:
             stats["micro_batches_per_step"] = self.step_micro_batches
             stats["token_budget"] = self.flat.token_budget
+            if self.flat.row_tokens is not None:
+                stats["row_tokens"] = self.flat.row_tokens
         if self.packed is not None:
             tokens = sum(len(e.input_ids) for e in self.train_set)
             stats["packed_rows"] = len(self.packed)
@@ -824,10 +843,9 @@ class InstructionDataModule(L.LightningDataModule):
             StepTokens(rows) if weighted else rows,
             batch_sampler=stream,
             collate_fn=(
-                functools.partial(
-                    collate_flat if self.flat is not None else collate_with_step_tokens,
-                    pad_id=self.tokenizer.pad_token_id,
-                )
+                functools.partial(collate_flat, pad_id=self.tokenizer.pad_token_id, row_tokens=self.flat.row_tokens)
+                if self.flat is not None
+                else functools.partial(collate_with_step_tokens, pad_id=self.tokenizer.pad_token_id)
                 if weighted
                 else self._collate()
             ),
@@ -846,11 +864,13 @@ class InstructionDataModule(L.LightningDataModule):
         rank, world = self._rank()
         if self.flat is not None:
             lengths = [len(e.input_ids) for e in self.val_set]
-            groups = validation_groups(lengths, self.flat.token_budget, world)
+            groups = validation_groups(lengths, replace(self.flat, world_size=world))
             return DataLoader(
                 self.val_set,
                 batch_sampler=groups[rank::world],
-                collate_fn=functools.partial(collate_flat_row, pad_id=self.tokenizer.pad_token_id),
+                collate_fn=functools.partial(
+                    collate_flat_row, pad_id=self.tokenizer.pad_token_id, row_tokens=self.flat.row_tokens
+                ),
                 num_workers=self.num_workers,
             )
         return DataLoader(
@@ -886,7 +906,9 @@ def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
     if not hw.padding_free or cfg.data.packing:
         return None
     budget = hw.micro_batch_tokens or hw.micro_batch_size * cfg.data.max_seq_len
-    return FlatBatching(budget, cfg.trainer.global_batch_size, cfg.data_parallel_size, cfg.trainer.max_steps)
+    # Eager attention computes all T x T scores of a row: rows capped at max_seq_len cost what padded rows do.
+    rows = cfg.data.max_seq_len if cfg.model.attn_implementation == "eager" else None
+    return FlatBatching(budget, cfg.trainer.global_batch_size, cfg.data_parallel_size, cfg.trainer.max_steps, rows)
 
 
 def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | None = None) -> InstructionDataModule:

@@ -15,6 +15,13 @@ Lightning accumulates a fixed number of micro-batches per optimiser step, so the
 (a multiple of the data-parallel ranks) whose token-balanced split of every step of the run keeps each micro-batch
 within the token budget. Rows are rounded up to PAD_MULTIPLE tokens so that a compiled model meets few distinct
 shapes; that rounding is the only padding.
+
+Attention that computes every query-key pair of a row (eager: Gemma 2, whose logit softcapping SDPA and the varlen
+kernel lack) costs a row of T tokens heads x T x T scores, so one long row would cost more than the padded batch it
+replaces. `row_tokens` caps the rows: a micro-batch is then several rows of at most `row_tokens` tokens each (the
+group's examples first-fit into rows, longest first), as many rows as the budget has `row_tokens` in it, padded to
+its longest row. With `row_tokens` = max_seq_len a micro-batch of m rows holds at most the scores and activations of
+m padded rows of max_seq_len, which is what the memory estimate counts.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ class FlatBatching:
     global_batch_size: int
     world_size: int = 1
     max_steps: int = 1
+    row_tokens: int | None = None  # the longest row (None: one row per micro-batch)
+
+    @property
+    def rows_per_micro_batch(self) -> int | None:
+        return None if self.row_tokens is None else max(1, self.token_budget // self.row_tokens)
 
 
 def balanced_split(indices: list[int], lengths: list[int], parts: int) -> list[list[int]]:
@@ -57,29 +69,72 @@ def largest_load(groups: list[list[int]], lengths: list[int]) -> int:
     return max(sum(lengths[i] for i in g) for g in groups)
 
 
+def pack_rows(group: list[int], lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """`group`'s examples in rows of at most `row_tokens` tokens: as many rows as first fit (longest first) needs,
+    with their tokens balanced where that keeps every row within the cap (the micro-batch pads to its longest row,
+    and eager attention costs each row its length squared), else first fit's rows. An example longer than the cap
+    gets a row of its own. Each row keeps the group's order. Deterministic."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for position in sorted(range(len(group)), key=lambda p: (-lengths[group[p]], p)):
+        n = lengths[group[position]]
+        target = next((r for r, load in enumerate(loads) if load + n <= row_tokens), None)
+        if target is None:
+            rows.append([])
+            loads.append(0)
+            target = len(rows) - 1
+        rows[target].append(position)
+        loads[target] += n
+    first_fit = [[group[p] for p in sorted(row)] for row in rows]
+    balanced = balanced_split(group, lengths, len(rows))
+    if len(rows) > 1 and largest_load(balanced, lengths) <= row_tokens:
+        return balanced
+    return first_fit
+
+
+def fits(group: list[int], lengths: list[int], plan: FlatBatching) -> bool:
+    """Whether `group` makes one micro-batch within the plan: its tokens within the budget, and with capped rows,
+    its rows no more than the budget holds."""
+    if sum(lengths[i] for i in group) > plan.token_budget:
+        return False
+    if plan.row_tokens is None:
+        return True
+    return len(pack_rows(group, lengths, plan.row_tokens)) <= plan.rows_per_micro_batch
+
+
 def micro_batches_per_step(steps: list[list[int]], lengths: list[int], plan: FlatBatching) -> int:
     """The fewest micro-batches per step (a multiple of the ranks, at most one example each) within the budget."""
     world, most = plan.world_size, plan.global_batch_size
     k = world
     for step in steps:
-        while k < most and largest_load(balanced_split(step, lengths, k), lengths) > plan.token_budget:
+        while k < most and not all(fits(g, lengths, plan) for g in balanced_split(step, lengths, k)):
             k += world
     return k
 
 
-def validation_groups(lengths: list[int], token_budget: int, world_size: int = 1) -> list[list[int]]:
-    """The held-out examples (indices into `lengths`) in padding-free micro-batches of at most `token_budget` tokens:
-    the fewest groups, a multiple of the ranks (so that every rank runs as many forward passes, which FSDP's
-    gathers need), of about equal token counts. Without gradients a micro-batch costs less than a training one of
-    the same tokens, so the training budget bounds validation's memory too."""
+def micro_batch_slots(group: list[int], lengths: list[int], row_tokens: int | None) -> int:
+    """Token positions (real and padding) of `group`'s micro-batch: one row rounded up to PAD_MULTIPLE, or with capped
+    rows, its rows padded to the longest (rounded up)."""
+    if row_tokens is None:
+        return row_length(sum(lengths[i] for i in group))
+    rows = pack_rows(group, lengths, row_tokens)
+    return len(rows) * row_length(max(sum(lengths[i] for i in row) for row in rows))
+
+
+def validation_groups(lengths: list[int], plan: FlatBatching) -> list[list[int]]:
+    """The held-out examples (indices into `lengths`) in padding-free micro-batches within `plan` (its token budget
+    and row cap): the fewest groups, a multiple of the ranks (so that every rank runs as many forward passes, which
+    FSDP's gathers need), of about equal token counts. Without gradients a micro-batch costs less than a training
+    one of the same tokens, so the training budget bounds validation's memory too."""
     indices = list(range(len(lengths)))
     if not indices:
         return []
-    fewest = -(-sum(lengths) // token_budget)
-    k = min(len(indices), -(-fewest // world_size) * world_size)
+    world = plan.world_size
+    fewest = -(-sum(lengths) // plan.token_budget)
+    k = min(len(indices), -(-fewest // world) * world)
     groups = balanced_split(indices, lengths, k)
-    while k < len(indices) and largest_load(groups, lengths) > token_budget:
-        k = min(len(indices), k + world_size)
+    while k < len(indices) and not all(fits(g, lengths, plan) for g in groups):
+        k = min(len(indices), k + world)
         groups = balanced_split(indices, lengths, k)
     return [g for g in groups if g]
 

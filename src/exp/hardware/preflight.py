@@ -553,14 +553,14 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     position ids, and its kernel computes every block of the row: cost grows with the row's length squared. On a
     GPU with FlashAttention (compute capability >= 8.0, torch >= 2.10) Gemma and Gemma 3 take `varlen` instead
     (exp.model.varlen: each example's attention alone, sliding window included). Eager attention (Gemma 2's, for
-    its logit softcapping, which SDPA and varlen lack) materialises heads x T x T scores for a row of T tokens,
-    while padded micro-batches hold micro_batch x S x S: a token budget of m x S costs m times the padded batch's
-    scores. So on a GPU Gemma 2 on eager trains padded micro-batches (the same steps, so nothing else changes).
-    `flex_attention` (softcapping as its score modifier, the examples as its block mask) keeps padding-free rows
-    when chosen by hand. It is not chosen for the user: on one H100 its Gemma 2 2B run's first training step had
-    not finished after 82 s (compiling), and its eager validation materialises the whole score matrix
-    (benchmarks/results/families_h100_20261206). The CPU keeps
-    padding-free rows on either mask (its memory is the host's, and its CPU twin is what the tests run)."""
+    its logit softcapping, which SDPA and varlen lack) materialises heads x T x T scores for a row of T tokens, so
+    Gemma 2's padding-free micro-batches are rows of at most data.max_seq_len tokens, as many as the token budget
+    holds (exp.data.padding_free): no more scores than padded rows, and no padding but each row's tail.
+    `flex_attention` (softcapping as its score modifier, the examples as its block mask) takes one row per
+    micro-batch when chosen by hand. It is not chosen for the user: on one H100 its Gemma 2 2B run's first training
+    step had not finished after 82 s (compiling), and its eager validation materialises the whole score matrix
+    (benchmarks/results/families_h100_20261206). The CPU caps eager rows the same way (exp.data.datamodule's
+    `flat_batching`), so the GPU configuration's CPU twin runs these micro-batches."""
     packed_rows = cfg.data.packing or cfg.hardware.padding_free
     if not packed_rows or not on_gpu:
         return
@@ -578,12 +578,11 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
         return
     if cfg.data.packing:
         return
-    if attn == "eager":
-        cfg.hardware.padding_free = False
+    if attn == "eager" and cfg.hardware.padding_free:
         notes.append(
-            "hardware.padding_free=false: Gemma 2's eager attention would hold heads x T x T scores for each "
-            "padding-free row of T tokens; padded micro-batches make the same steps (model.attn_implementation="
-            "flex_attention keeps padding-free rows; on an H100 its first step had not ended after 80 s)"
+            "rows of several examples: eager attention (Gemma 2's, for its softcapping) computes every query-key "
+            f"pair of a row, so padding-free micro-batches are rows of at most data.max_seq_len={cfg.data.max_seq_len} tokens (no "
+            "more scores than padded rows of that length)"
         )
 
 
