@@ -41,6 +41,10 @@
 #   pfprofile    exp.bench real-data mode on $EXP_ALPACA, $PF_MODEL (Gemma-7B shape), exp only, 8 examples a step,
 #                the first timed steps profiled: where a padding-free step's time goes and the device's idle share
 #   liger        python -m pytest -m gpu: liger's fused loss in exp's chunks against exp's chunked loss alone
+#   loop200      exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8: the hand-written loop's steps
+#                $FIRST_STEP (0) to $FIRST_STEP + $LOOP_STEPS (100) of the seeded order (one part of its 200-step
+#                wall-clock per call: a step's work depends on its examples, not on the adapters)
+#   exp200       the same file and shape: exp's 200 steps in one invocation (wall-clock, compile included)
 #   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
 #                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -127,7 +131,7 @@ wait_gpu_released() {
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -240,6 +244,11 @@ run_stage() {
       # device's idle share of the step.
       stage "pfprofile_${PF_MODEL:-gemma_7b}" 300 "${BENCH[@]}" model=${PF_MODEL:-gemma_7b} data="$ALPACA" seq=2048 \
         micro_batch=8 steps=8 warmup=3 profile=true variant=exp ;;
+    loop200)
+      stage loop200 580 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=${LOOP_STEPS:-100} warmup=3 \
+        first_step=${FIRST_STEP:-0} variant=baseline ;;
+    exp200)
+      stage exp200 420 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=200 warmup=3 variant=exp ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;

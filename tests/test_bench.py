@@ -58,8 +58,9 @@ TINY_ALPACA_WORDS = "red green blue fox owl cat dog sun moon star tree leaf".spl
 REAL_DATA_SPLIT = "exp hardware.micro_batch_size=2"  # 4 micro-batches of different lengths per step
 
 
-def real_data_bench(out: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """Real-data mode on a small Alpaca file: baseline, exp, and exp accumulating 4 micro-batches per step."""
+def real_data_bench(out: Path) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess | None]:
+    """Real-data mode on a small Alpaca file: baseline, exp, and exp accumulating 4 micro-batches per step; then
+    steps 2 and 3 alone (first_step=2), in a directory of their own."""
     words = TINY_ALPACA_WORDS
     rows = [
         {
@@ -72,8 +73,13 @@ def real_data_bench(out: Path) -> tuple[Path, subprocess.CompletedProcess]:
     data = out / "tiny_alpaca.json"
     data.write_text(json.dumps(rows))
     args = ["model=gemma_tiny", "seq=64", "micro_batch=8", "steps=4", "warmup=1"]
-    return out, run_bench(out, *args, f"data={data}", "memory_budget=baseline",
-                          "variant=baseline", "variant=exp", f"variant={REAL_DATA_SPLIT}")  # fmt: skip
+    whole = run_bench(out, *args, f"data={data}", "memory_budget=baseline",
+                      "variant=baseline", "variant=exp", f"variant={REAL_DATA_SPLIT}")  # fmt: skip
+    if whole.returncode != 0:
+        return out, whole, None
+    part = run_bench(out / "part", "model=gemma_tiny", "seq=64", "micro_batch=8", "steps=2", "warmup=1",
+                     "first_step=2", f"data={data}", "variant=baseline", "variant=exp")  # fmt: skip
+    return out, whole, part
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +154,8 @@ def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
     assert proc.returncode == 2 and "set by exp.bench for both sides" in proc.stderr
     proc = run_bench(tmp_path, *SMOKE, "variant=baseline fused=true")
     assert proc.returncode == 2 and "ckpt, compile, liger, prepare" in proc.stderr
+    proc = run_bench(tmp_path, *SMOKE, "first_step=10")  # random tokens: no order of steps to start in
+    assert proc.returncode == 2 and "first_step=10: only real-data mode" in proc.stderr
     assert not list(tmp_path.glob("bench-*"))
 
 
@@ -355,7 +363,7 @@ def test_bench_on_gpu_uses_the_fast_path(tmp_path):
 def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     """Real-data mode on the CPU (a harness test, not a speed claim): the baseline pads each step's examples, exp
     batches them its own way; both are scored on real tokens and by the validation loss after the same steps."""
-    tmp_path, proc = benches.get("real-data")
+    tmp_path, proc, part = benches.get("real-data")
     split = REAL_DATA_SPLIT
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
@@ -382,3 +390,11 @@ def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     assert "Real data:" in md and "| variant | all steps s |" in md
     # No GPU here: the baseline has no measured peak, so the exp side ran without a budget.
     assert exp["memory_budget_gib"] is None
+    # first_step=2: both sides train steps 2 and 3 of the same order (from fresh adapters): the same examples as the
+    # whole run's last two steps, and the same losses on both sides.
+    assert part is not None and part.returncode == 0, part.stderr[-4000:] if part else None
+    later, _ = read_report(tmp_path / "part")
+    assert later["settings"]["first_step"] == 2
+    part_base, part_exp = later["rows"]
+    assert part_base["real_tokens"] == part_exp["real_tokens"] == base["real_tokens"][2:]
+    assert part_exp["losses"] == pytest.approx(part_base["losses"], rel=1e-4)

@@ -271,9 +271,13 @@ def check_run_command(cmd: DocCommand, args: list[str], module: str) -> None:
     assert parsed.values.get("run") or parsed.values.get("ckpt")
 
 
-def check_bench(args: list[str]) -> None:
+def check_bench(args: list[str], tmp_path, monkeypatch) -> None:
     from exp.bench import parse_args
 
+    data = next((a.split("=", 1)[1] for a in args if a.startswith("data=")), None)
+    if data is not None:  # real-data mode: the file must exist (the README's example of the format stands in)
+        monkeypatch.chdir(tmp_path)
+        Path(data).write_text(json.dumps(json.loads(doc_block("README.md", "### Your own data")) * 10))
     parse_args(args)
 
 
@@ -348,7 +352,7 @@ def test_documented_command(cmd: DocCommand, tmp_path, monkeypatch, capsys, capl
     elif kind in ("exp.evaluate", "exp.generate", "exp.merge"):
         check_run_command(cmd, args, kind)
     elif kind == "exp.bench":
-        check_bench(args)
+        check_bench(args, tmp_path, monkeypatch)
     elif kind == "exp.report":
         check_report(args, capsys)
     elif kind == "make":

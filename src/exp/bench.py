@@ -107,6 +107,10 @@ class Settings:
     data_path: str | None = None
     # exp rows: profile the first two timed steps (torch.profiler) and keep where the device time went.
     profile: bool = False
+    # Real-data mode: the first step of the seeded order this invocation trains (from fresh adapters). A long run's
+    # wall-clock can so be measured in parts, each within one command's time: a step's work depends on its
+    # examples, not on the adapters' values.
+    first_step: int = 0
 
     def exp_overrides(self) -> list[str]:
         """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
@@ -252,7 +256,7 @@ def baseline_real_batches(settings: Settings):
     per_epoch = len(shuffled_batches(len(dm.train_set), settings.micro_batch, cfg.data.seed, 0))
 
     def batch(i: int) -> dict[str, Any]:
-        epoch, k = divmod(i, per_epoch)
+        epoch, k = divmod(settings.first_step + i, per_epoch)
         indices = shuffled_batches(len(dm.train_set), settings.micro_batch, cfg.data.seed, epoch)[k]
         return collate([dm.train_set[j] for j in indices], pad)
 
@@ -333,6 +337,8 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
         batches = [{"input_ids": x[k : k + m], "labels": x[k : k + m]} for x in tokens for k in range(0, len(x), m)]
     # Padding-free batching decides the micro-batches per step from the data.
     accumulate = (datamodule.flat_accumulation if datamodule is not None else None) or cfg.accumulate_grad_batches
+    if datamodule is not None and settings.first_step:
+        datamodule.resume_at(settings.first_step * accumulate)  # the baseline's steps from first_step on
     clock = step_clock(settings.warmup, cuda, accumulate, profile=settings.profile)
 
     module = QLoRAModule(cfg)
@@ -836,6 +842,12 @@ def bench_tool() -> Tool:
                 at_least=1,
             ),
             Key("steps", d.steps, "optimiser steps per variant (the loss of each is kept)", at_least=1),
+            Key(
+                "first_step",
+                d.first_step,
+                "real-data mode: start at this step of the seeded order (fresh adapters): a long run timed in parts",
+                at_least=0,
+            ),
             Key("warmup", d.warmup, "untimed first steps", at_least=0),
             Key("lora_r", d.lora_r, "LoRA rank", at_least=1),
             Key("lora_alpha", d.lora_alpha, "LoRA alpha", above=0),
@@ -985,6 +997,11 @@ def parse_args(argv: list[str]) -> SimpleNamespace:
         a.data = str(Path(a.data).resolve())
         if not Path(a.data).is_file():
             raise ConfigError(f"data={a.data}: no such file")
+    elif a.first_step:
+        raise ConfigError(
+            f"first_step={a.first_step}: only real-data mode has an order of steps to start in; add data=<file> or "
+            "drop first_step"
+        )
     return a
 
 
@@ -1017,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed_budget = float(a.memory_budget) if a.memory_budget not in (None, "baseline") else None
         base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
                         a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data,
-                        a.profile)  # fmt: skip
+                        a.profile, a.first_step)  # fmt: skip
         cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
         lora_param_count(config_arch(cfg), a.lora_r, targets)  # a target the model lacks, before any worker starts
         if problem := memory_problem(cfg, device, memory_figures(device)):
