@@ -405,7 +405,8 @@ def test_packed_rows_with_varlen_equal_sdpa_mask():
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 @pytest.mark.parametrize("impl", ["hf", "chunked"])
-def test_padding_free_validation_metrics_equal_padded(family, impl):
+@pytest.mark.parametrize("rows", [None, 32])
+def test_padding_free_validation_metrics_equal_padded(family, impl, rows):
     """Validation's sums (loss, hits, exact matches, examples) over padding-free rows equal those over padded
     batches: each example is scored by itself, exact match included, across several rows of a small budget."""
     from exp.core.config import LossImpl
@@ -435,9 +436,12 @@ def test_padding_free_validation_metrics_equal_padded(family, impl):
         return out
 
     ref = sums([collate(step[:3], pad_id=0), collate(step[3:], pad_id=0)])
-    groups = validation_groups(LENGTHS, FlatBatching(48, len(LENGTHS)))
-    assert len(groups) >= 3 and sorted(i for g in groups for i in g) == list(range(len(step)))
-    got = sums([collate_flat_row([step[i] for i in g], pad_id=0) for g in groups])
+    # rows=32: micro-batches of up to three rows of at most 32 tokens (the 41 and 36-token examples alone).
+    groups = validation_groups(LENGTHS, FlatBatching(96 if rows else 48, len(LENGTHS), row_tokens=rows))
+    assert len(groups) >= 2 and sorted(i for g in groups for i in g) == list(range(len(step)))
+    batches = [collate_flat_row([step[i] for i in g], pad_id=0, row_tokens=rows) for g in groups]
+    assert rows is None or max(b["input_ids"].shape[0] for b in batches) >= 2
+    got = sums(batches)
     assert got["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-5)
     assert {k: got[k] for k in ("tokens", "hits", "exact", "examples")} == {
         k: ref[k] for k in ("tokens", "hits", "exact", "examples")
