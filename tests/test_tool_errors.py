@@ -231,6 +231,50 @@ def test_an_architecture_transformers_rejects_is_a_config_error(extra, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_random_init_out_of_host_memory_says_so_not_that_the_architecture_is_wrong(monkeypatch, tmp_path):
+    from exp.core.config import TINY_ARCH, ModelFamily
+    from exp.model import local
+
+    monkeypatch.setenv("EXP_CACHE", str(tmp_path))
+
+    class Starved:
+        def __init__(self, config):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+                               "tried to allocate 1200000000 bytes")  # fmt: skip
+
+    monkeypatch.setattr(local, "_model_class", lambda family: Starved)
+    with pytest.raises(ConfigError, match="the host has too little free memory") as e:
+        local.build_random_checkpoint(ModelFamily.gemma, {**TINY_ARCH, "num_hidden_layers": 1}, 0)
+    assert "Fix the architecture fields" not in str(e.value) and "model=gemma_tiny" in str(e.value)
+
+
+def test_random_init_too_large_for_the_gpu_is_drawn_on_the_cpu(monkeypatch, tmp_path, caplog):
+    """A shape stored in bf16 is drawn on the GPU; when the GPU is too small for it in bf16 (out of memory), on the
+    CPU instead: the checkpoint is built, not refused as a bad architecture."""
+    import torch
+
+    from exp.core.config import TINY_ARCH, ModelFamily
+    from exp.model import local
+
+    monkeypatch.setenv("EXP_CACHE", str(tmp_path))
+    devices = []
+    draw = local._draw_model
+
+    def small_gpu(family, config, arch, seed, device):
+        devices.append(device)
+        if device == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+        return draw(family, config, arch, seed, device)
+
+    monkeypatch.setattr(local, "_draw_model", small_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # A vocabulary large enough that the shape counts as large (bf16, drawn on the GPU first).
+    arch = {**TINY_ARCH, "num_hidden_layers": 1, "vocab_size": 400_000}  # 51M parameters
+    path = local.build_random_checkpoint(ModelFamily.gemma, arch, 0)
+    assert devices == ["cuda", "cpu"] and (path / "config.json").exists()
+    assert "does not fit on the GPU in bf16; drawing its weights on the CPU" in caplog.text
+
+
 def test_bench_refuses_an_unknown_lora_target_before_any_worker(tmp_path, capsys):
     from exp.bench import main
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 from exp.core.cache import cache_dir, ensure_entry
 from exp.core.config import ConfigError, ModelFamily
 from exp.data.synthetic import corpus_for_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Gemma's special-token ids (pad 0, eos 1, bos 2, unk 3); the turn markers follow.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -142,21 +145,19 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
         # between the two; the cache key is per machine, so each machine is self-consistent.)
         build_device = "cuda" if dtype == torch.bfloat16 and torch.cuda.is_available() else "cpu"
         try:
-            # A private RNG stream: the build must not shift the caller's random state (dropout masks, data order),
-            # or a run that builds the cache would differ from the same run with the cache already filled.
-            with torch.random.fork_rng(devices=[]), torch.device(build_device):
-                torch.manual_seed(seed)
-                if build_device == "cuda":
-                    torch.cuda.manual_seed(seed)
-                try:
-                    model = _model_class(family)(config)
-                # Shapes that do not fit together; KeyError: a rope_scaling type transformers does not know.
-                except (RuntimeError, ValueError, ZeroDivisionError, KeyError, TypeError, IndexError) as e:
-                    raise ConfigError(
-                        f"model.arch={arch}: building {_model_class(family).__name__} failed ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())}). Fix the architecture fields, e.g. as in "
-                        "conf/model/gemma_tiny.yaml"
-                    ) from None
+            try:
+                model = _draw_model(family, config, arch, seed, build_device)
+            except torch.OutOfMemoryError:
+                model = None  # retried below, once the failed attempt's frames (and their tensors) are gone
+            if model is None:
+                # A GPU too small for the whole model in bf16 (training loads it in 4 bits): draw it on the CPU.
+                log.warning(
+                    "model.random_init: %s does not fit on the GPU in bf16; drawing its weights on the CPU (minutes)",
+                    _model_class(family).__name__,
+                )
+                torch.cuda.empty_cache()
+                build_device = "cpu"
+                model = _draw_model(family, config, arch, seed, build_device)
         finally:
             torch.set_default_dtype(previous)
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_BYTES)
@@ -167,4 +168,36 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
 
     return ensure_entry(
         random_checkpoint_dir(family, arch, seed), build, f"model.random_init checkpoint of model.arch (seed {seed})"
+    )
+
+
+def _draw_model(family: ModelFamily, config: Any, arch: dict[str, Any], seed: int, device: str) -> Any:
+    """`family`'s model of `config` with weights drawn from `seed` on `device` (the default dtype as set)."""
+    # A private RNG stream: the build must not shift the caller's random state (dropout masks, data order), or a
+    # run that builds the cache would differ from the same run with the cache already filled.
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        if device == "cuda":
+            torch.cuda.manual_seed(seed)
+        try:
+            return _model_class(family)(config)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            if "can't allocate memory" in str(e) or "not enough memory" in str(e):
+                raise ConfigError(
+                    f"model.random_init: the host has too little free memory to draw {_model_class(family).__name__} "
+                    f"of model.arch={arch} ({' '.join(str(e).split())}). Free host memory, or use a smaller "
+                    "architecture (e.g. model=gemma_tiny)"
+                ) from None
+            raise _arch_error(family, arch, e) from None
+        # Shapes that do not fit together; KeyError: a rope_scaling type transformers does not know.
+        except (ValueError, ZeroDivisionError, KeyError, TypeError, IndexError) as e:
+            raise _arch_error(family, arch, e) from None
+
+
+def _arch_error(family: ModelFamily, arch: dict[str, Any], e: Exception) -> ConfigError:
+    return ConfigError(
+        f"model.arch={arch}: building {_model_class(family).__name__} failed ({type(e).__name__}: "
+        f"{' '.join(str(e).split())}). Fix the architecture fields, e.g. as in conf/model/gemma_tiny.yaml"
     )
