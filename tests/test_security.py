@@ -219,6 +219,33 @@ def test_the_typed_config_refuses_a_secret_value_too(monkeypatch):
         compose_config(["logger.run_name=${oc.env:HF_TOKEN}"])
 
 
+def test_a_failed_jobs_exception_handed_to_its_launcher_holds_no_secret(monkeypatch):
+    """What a failed sweep job hands back (pickled into submitit's result file) keeps the error, not the secrets in
+    its message: the job's secret override values and secret environment values, down the exception chain."""
+    import pickle
+
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from exp.run.security import redact_job_return
+
+    monkeypatch.setenv("EXP_TEST_API_KEY", "env-secret-value-42")
+    try:
+        try:
+            raise OSError("the server refused env-secret-value-42")
+        except OSError as cause:
+            raise RuntimeError("login failed with override-secret-1234 at step 3") from cause
+    except RuntimeError as e:
+        failure = e
+    job = JobReturn(overrides=["+logger.api_key=override-secret-1234", "lora.r=8"], status=JobStatus.FAILED)
+    job.return_value = failure
+    redact_job_return(job)
+    blob = pickle.dumps(job)
+    assert b"override-secret-1234" not in blob and b"env-secret-value-42" not in blob
+    assert str(failure) == "login failed with ***redacted*** at step 3"
+    assert str(failure.__cause__) == "the server refused ***redacted***"
+    assert job.overrides == ["+logger.api_key=***redacted***", "lora.r=8"]
+
+
 def test_redact_override():
     assert redact_override("+hydra.job.env_set.HF_TOKEN=hf_x") == f"+hydra.job.env_set.HF_TOKEN={REDACTED}"
     assert redact_override("hydra.job.env_set={API_KEY: k1, HOME: /h}") == f"hydra.job.env_set={REDACTED}"

@@ -32,7 +32,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from exp.core.secrets import REDACTED, SECRET_NAME, redact, redact_argv
+from exp.core.secrets import REDACTED, SECRET_NAME, mask_secrets, redact, redact_argv
 from exp.run.dirs import HYDRA_DIR
 
 # Where Hydra (or logging.config) turns a config value into a callable, what that callable must be: the modules it
@@ -482,7 +482,13 @@ def _redacted(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def redact_job_return(job_return: JobReturn) -> None:
-    """The configs and overrides a job hands back to its launcher, masked in place as its `.hydra/` record is."""
+    """The configs and overrides a job hands back to its launcher, masked in place as its `.hydra/` record is; a
+    failed job's exception with the secrets masked in its message (its arguments and string attributes, what
+    pickling it keeps)."""
+    known = secret_values(list(job_return.overrides or []))  # before the overrides are masked
+    failure = job_return._return_value  # a failed job's exception (the property re-raises it)
+    if isinstance(failure, BaseException):
+        mask_exception(failure, known)
     if job_return.hydra_cfg is not None:
         record = OmegaConf.to_container(job_return.hydra_cfg, resolve=False)
         assert isinstance(record, dict)
@@ -491,6 +497,26 @@ def redact_job_return(job_return: JobReturn) -> None:
         job_return.cfg = OmegaConf.create(redact(OmegaConf.to_container(job_return.cfg, resolve=False)))
     if job_return.overrides:
         job_return.overrides = [redact_override(o) for o in job_return.overrides]
+
+
+def mask_exception(e: BaseException, known: list[str]) -> None:
+    """`e`'s message arguments and string attributes with secret environment values and `known` values masked, in
+    place, down its cause and context chain."""
+
+    def masked(text: str) -> str:
+        text = mask_secrets(text)
+        for value in sorted(known, key=len, reverse=True):
+            text = text.replace(value, REDACTED)
+        return text
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.args = tuple(masked(a) if isinstance(a, str) else a for a in e.args)
+        for name, value in list(vars(e).items()):
+            if isinstance(value, str):
+                setattr(e, name, masked(value))
+        e = e.__cause__ or e.__context__
 
 
 def write_hydra_record(config: DictConfig, run_dir: Path | None = None) -> Path:
