@@ -93,6 +93,12 @@ BAD = [
         "line 5 has 4 fields, the header 3",
         "quote fields",
     ),
+    (
+        "csv-truncated",
+        {"d.csv": csv_text().encode() + b'"one more","","an answer cut sh'},
+        "it ends in the middle of a record (line",
+        "a quoted field is still open at the end of the file): the file looks truncated",
+    ),
     ("not-parquet", {"d.parquet": b"a,b\n1,2\n"}, "is not a Parquet file", "magic bytes"),
     (
         "mixed-columns-jsonl",

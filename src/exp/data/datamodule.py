@@ -160,6 +160,15 @@ def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
     return Source(ds, cfg.hub_id, ds._fingerprint)
 
 
+# What a readable file of each reader looks like: the end of the message for one `datasets` cannot read.
+VALID_FORM = {
+    "json": "JSON (one array of objects) or JSONL (one object per line)",
+    "csv": "CSV (a header row of column names, then one row per example; fields with commas, quotes or line breaks "
+    "quoted, a quote inside doubled)",
+    "parquet": "Parquet (as pandas' to_parquet or pyarrow write it)",
+}
+
+
 def _read_files(files: list[Path], path: str, key: str):
     """`datasets` reads the checked files; when it cannot, the files are diagnosed (which file, which line), and a
     reader that fails on files with nothing wrong gets one more try with its cache entry rebuilt."""
@@ -188,7 +197,7 @@ def _read_files(files: list[Path], path: str, key: str):
     except Exception:  # noqa: BLE001 (the first error is the one to report)
         raise ConfigError(
             f"{key}={path}: could not be read as {builder.upper()} ({type(error).__name__}: {_short(error)}). "
-            "Check that the file is valid (JSON: one array of objects, or JSONL: one object per line)."
+            f"Check that the file is valid {VALID_FORM[builder]}."
         ) from error
     log.warning(
         "data: reading %s failed (%s: %s) but the files are sound; rebuilt its datasets cache entry under %s",

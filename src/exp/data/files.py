@@ -338,14 +338,20 @@ def _json_type(value: Any) -> str:
 
 def _csv_columns(path: Path) -> list[str] | str:
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, [])
-        for row in reader:
-            if row and len(row) != len(header):
-                return (
-                    f"line {reader.line_num} has {len(row)} fields, the header {len(header)} ({', '.join(header)}); "
-                    "quote fields that contain commas or line breaks"
-                )
+        # Strict: a quoted field still open at the end of the file is an error, not a field running to the end.
+        reader = csv.reader(f, strict=True)
+        try:
+            header = next(reader, [])
+            for row in reader:
+                if row and len(row) != len(header):
+                    return (
+                        f"line {reader.line_num} has {len(row)} fields, the header {len(header)} "
+                        f"({', '.join(header)}); quote fields that contain commas or line breaks"
+                    )
+        except csv.Error as e:
+            if "unexpected end of data" in str(e):
+                return truncated(path, reader.line_num, "a quoted field is still open at the end of the file")
+            return f'line {reader.line_num}: {e}; a field that holds a quote is quoted and doubles it ("")'
     return header
 
 
