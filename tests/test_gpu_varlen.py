@@ -44,7 +44,7 @@ def test_cuda_varlen_equals_per_example_sdpa(heads, kv_heads, head_dim, window):
 
 def test_gemma2_flex_attention_padding_free_equals_padded_eager():
     """`model.attn_implementation=flex_attention` for Gemma 2's padding-free rows (chosen by hand; the preflight
-    keeps eager on padded micro-batches): softcapping as its score modifier and the examples' boundaries (from the
+    keeps eager, on rows capped at data.max_seq_len): softcapping as its score modifier and the examples' boundaries (from the
     restarting position ids) as its block mask give the padded eager step's losses and gradients, fp32 on the GPU."""
     from test_padding_free import assert_flat_step_equals_padded, tiny_model
 
@@ -52,3 +52,47 @@ def test_gemma2_flex_attention_padding_free_equals_padded_eager():
     assert_flat_step_equals_padded(
         tiny_model("gemma2", head_dim=16).cuda(), "flex_attention", rel=1e-4, grad_rtol=1e-3, grad_atol=1e-5
     )
+
+
+def test_gemma2_eager_capped_rows_equal_padded_on_the_gpu():
+    """Gemma 2's default padding-free micro-batches (eager attention, several rows of at most 48 tokens) give the
+    padded step's losses and gradients, fp32 on the GPU."""
+    from test_padding_free import assert_flat_step_equals_padded, tiny_model
+
+    assert_flat_step_equals_padded(tiny_model("gemma2").cuda(), row_tokens=48, rel=1e-4, grad_rtol=1e-3, grad_atol=1e-5)
+
+
+@pytest.mark.slow
+def test_gemma2_capped_rows_train_compiled_on_the_gpu(tmp_path):
+    """hardware=gpu on a tiny Gemma 2 (eager attention, compiled layers): rows capped at data.max_seq_len, several
+    to a micro-batch, of varying counts and lengths; the run trains, with little padding, and compiles a few graphs
+    (not one per shape)."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    from test_padding_free import varied_alpaca
+
+    data = tmp_path / "varied.json"
+    varied_alpaca(data)
+    overrides = [
+        "model.family=gemma2",
+        "model.attn_implementation=eager",
+        "hardware=gpu",
+        "data=alpaca",
+        f"data.path={data}",
+        "data.max_seq_len=128",
+        "hardware.micro_batch_tokens=512",
+        "trainer.global_batch_size=16",
+        "trainer.max_steps=12",
+        "trainer.val_every_n_steps=12",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run([sys.executable, "-m", "exp.train", *overrides], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["data"]["train"]["row_tokens"] == 128
+    assert summary["padding_fraction"] <= 0.15 and math.isfinite(summary["final_val"]["val/loss"])
+    assert summary["compile"]["graphs"] <= 6, summary["compile"]
