@@ -72,24 +72,10 @@ def test_gemma2_capped_rows_train_compiled_on_the_gpu(tmp_path):
     import subprocess
     import sys
 
-    from test_padding_free import varied_alpaca
+    from test_padding_free import gemma2_capped_rows_run
 
-    data = tmp_path / "varied.json"
-    varied_alpaca(data)
-    overrides = [
-        "model.family=gemma2",
-        "model.attn_implementation=eager",
-        "hardware=gpu",
-        "data=alpaca",
-        f"data.path={data}",
-        "data.max_seq_len=128",
-        "hardware.micro_batch_tokens=512",
-        "trainer.global_batch_size=16",
-        "trainer.max_steps=12",
-        "trainer.val_every_n_steps=12",
-        "logger=csv",
-        f"hydra.run.dir={tmp_path / 'run'}",
-    ]
+    overrides = [*gemma2_capped_rows_run(tmp_path), "trainer.max_steps=12", "trainer.val_every_n_steps=12"]
+    overrides += ["logger=csv", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run([sys.executable, "-m", "exp.train", *overrides], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -16,7 +16,7 @@ from exp.data.datamodule import (
     build_run_datamodule,
     collate,
     collate_flat,
-    collate_flat_row,
+    flat_rows,
     loss_tokens,
     sequence_boundaries,
     shuffled_batches,
@@ -320,29 +320,31 @@ def test_padding_free_steps_hold_the_padded_steps_examples(tmp_path):
     assert 1 - real / sum(b["input_ids"].numel() for b in val_rows) <= 0.05
 
 
+def gemma2_capped_rows_run(tmp_path) -> list[str]:
+    """Overrides of a tiny Gemma 2 (eager) run under hardware=gpu on a varied Alpaca file written into `tmp_path`:
+    rows capped at 128 tokens, four to a 512-token micro-batch, 16 examples a step."""
+    data = tmp_path / "varied.json"
+    varied_alpaca(data)
+    return [
+        "model.family=gemma2",
+        "model.attn_implementation=eager",
+        "hardware=gpu",
+        "data=alpaca",
+        f"data.path={data}",
+        "data.max_seq_len=128",
+        "hardware.micro_batch_tokens=512",
+        "trainer.global_batch_size=16",
+    ]
+
+
 @pytest.mark.slow
 def test_gemma2_eager_twin_trains_rows_capped_at_max_seq_len(tmp_path):
     """The GPU configuration's CPU twin of a Gemma 2 (eager) run: its micro-batches are several rows of at most
     data.max_seq_len tokens holding each step's examples, with little padding, and it trains."""
     from exp.train import run
 
-    data = tmp_path / "varied.json"
-    varied_alpaca(data)
-    overrides = [
-        "model.family=gemma2",
-        "model.attn_implementation=eager",
-        "hardware=gpu",
-        "hardware.accelerator=cpu",
-        "data=alpaca",
-        f"data.path={data}",
-        "data.max_seq_len=128",
-        "hardware.micro_batch_tokens=512",
-        "trainer.global_batch_size=16",
-        "trainer.max_steps=3",
-        "trainer.val_every_n_steps=3",
-        "trainer.sample_count=0",
-        "logger=csv",
-    ]
+    overrides = [*gemma2_capped_rows_run(tmp_path), "hardware.accelerator=cpu", "trainer.max_steps=3"]
+    overrides += ["trainer.val_every_n_steps=3", "trainer.sample_count=0", "logger=csv"]
     from exp.model.build import build_tokenizer
 
     cfg = compose_typed(overrides)
@@ -365,6 +367,10 @@ def test_gemma2_eager_twin_trains_rows_capped_at_max_seq_len(tmp_path):
     result = run(overrides, output_dir=tmp_path / "run")
     summary = json.loads((result.output_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["data"]["train"]["row_tokens"] == 128
+    # Each validation's cost, padding-free: the step-0 and the final one, every held-out example in a few rows.
+    times = summary["validation_seconds"]
+    assert [t["step"] for t in times] == [0, 3] and all(t["seconds"] > 0 for t in times)
+    assert all(t["examples"] == len(dm.val_set) and 1 <= t["micro_batches"] < len(dm.val_set) for t in times)
     assert result.final_val["val/loss"] < result.initial_val["val/loss"]
 
 
@@ -439,7 +445,7 @@ def test_padding_free_validation_metrics_equal_padded(family, impl, rows):
     # rows=32: micro-batches of up to three rows of at most 32 tokens (the 41 and 36-token examples alone).
     groups = validation_groups(LENGTHS, FlatBatching(96 if rows else 48, len(LENGTHS), row_tokens=rows))
     assert len(groups) >= 2 and sorted(i for g in groups for i in g) == list(range(len(step)))
-    batches = [collate_flat_row([step[i] for i in g], pad_id=0, row_tokens=rows) for g in groups]
+    batches = [flat_rows([step[i] for i in g], pad_id=0, row_tokens=rows) for g in groups]
     assert rows is None or max(b["input_ids"].shape[0] for b in batches) >= 2
     got = sums(batches)
     assert got["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-5)

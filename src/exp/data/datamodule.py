@@ -586,7 +586,8 @@ def collate_flat(
 
 
 def flat_rows(examples: list[Encoded], pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
-    """Examples end to end: one row, or (`row_tokens`) rows of at most that many tokens (`pack_rows`), each rounded
+    """Examples end to end (a padding-free micro-batch; validation's as it is, training's with its step total):
+    one row, or (`row_tokens`) rows of at most that many tokens (`pack_rows`), each rounded
     up to PAD_MULTIPLE tokens and padded to the longest."""
     lengths = [len(e.input_ids) for e in examples]
     groups = (
@@ -596,11 +597,6 @@ def flat_rows(examples: list[Encoded], pad_id: int, row_tokens: int | None = Non
     )
     rows = [concatenate([examples[i] for i in g], IGNORE_INDEX) for g in groups]
     return collate(rows, pad_id, width=row_length(max(len(r.input_ids) for r in rows)))
-
-
-def collate_flat_row(examples: list[Encoded], pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
-    """Held-out examples, padding-free (no step total: validation sums, it does not weight)."""
-    return flat_rows(examples, pad_id, row_tokens)
 
 
 class TrainStream(Sampler[list[int]]):
@@ -878,7 +874,7 @@ class InstructionDataModule(L.LightningDataModule):
                 self.val_set,
                 batch_sampler=groups[rank::world],
                 collate_fn=functools.partial(
-                    collate_flat_row, pad_id=self.tokenizer.pad_token_id, row_tokens=self.flat.row_tokens
+                    flat_rows, pad_id=self.tokenizer.pad_token_id, row_tokens=self.flat.row_tokens
                 ),
                 num_workers=self.num_workers,
             )
