@@ -6,7 +6,8 @@
 #   tests        python -m pytest -m gpu (every GPU test; the 2-GPU ones skip on one GPU)
 #   varlen       python -m pytest -m gpu tests/test_gpu_varlen.py alone (the padding-free attention kernels)
 #   kernels      python -m pytest -m gpu on tests/test_gpu_varlen.py and tests/test_gpu.py but its training run (the
-#                attention kernels, liger's loss against exp's chunked loss, placement, the device diagnoses)
+#                attention kernels, liger's loss against exp's chunked loss, placement, the device diagnoses);
+#                $KERNELS_K narrows it (a pytest -k expression)
 #   synth7b      exp.bench exp-only, Gemma-7B 2048 x 8 random tokens, 12 steps, whole GPU (real data's reference)
 #   readme       the one-GPU commands of README.md, as written (doctor, the 7B run, then the default run with
 #                hardware=auto within what is left of the stage's time)
@@ -141,7 +142,7 @@ run_stage() {
       stage varlen 240 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu_varlen.py 2>&1 | tee $WORK/pytest_gpu_varlen.txt" ;;
     kernels)
       stage kernels 240 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu_varlen.py \
-        tests/test_gpu.py -k 'not trains_on_one_gpu' 2>&1 | tee $WORK/pytest_gpu_kernels.txt" ;;
+        tests/test_gpu.py -k \"${KERNELS_K:-not trains_on_one_gpu}\" 2>&1 | tee $WORK/pytest_gpu_kernels.txt" ;;
     synth7b)
       stage synth7b 240 "${BENCH[@]}" steps=12 variant=exp ;;
     readme)
