@@ -26,6 +26,7 @@ from exp.data.padding_free import (
     PAD_MULTIPLE,
     FlatBatching,
     balanced_split,
+    even_out,
     largest_load,
     micro_batch_slots,
     micro_batches_per_step,
@@ -468,6 +469,21 @@ def test_validation_groups_are_the_fewest_within_the_budget_and_a_multiple_of_th
     groups = validation_groups(lengths, capped)
     assert len(groups) % 2 == 0 and sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert all(len(pack_rows(g, lengths, 200)) <= 3 for g in groups)
+
+
+def test_rows_are_evened_out_beyond_longest_first():
+    """Longest-first greedy puts 300 + 200 + 200 against 300 + 200 (700 / 500 tokens); one swap evens them to
+    600 / 600, and the micro-batch pads to the longer row. Members and the step's order are kept."""
+    step = [7, 3, 9, 1, 5]
+    lengths = {7: 300, 3: 200, 9: 300, 1: 200, 5: 200}
+    dense = [lengths.get(i, 0) for i in range(10)]
+    greedy = balanced_split(step, dense, 2)
+    assert largest_load(greedy, dense) == 700
+    rows = pack_rows(step, dense, 700)
+    assert sorted(len(r) for r in rows) == [2, 3] and largest_load(rows, dense) == 600
+    assert sorted(i for r in rows for i in r) == sorted(step)
+    assert all(r == [i for i in step if i in r] for r in rows)  # each row in the step's order
+    assert even_out(rows, dense, step) == rows  # nothing left to improve
 
 
 def test_capped_rows_fill_at_most_the_budgets_rows_and_count_their_padding():

@@ -71,9 +71,10 @@ def largest_load(groups: list[list[int]], lengths: list[int]) -> int:
 
 def pack_rows(group: list[int], lengths: list[int], row_tokens: int) -> list[list[int]]:
     """`group`'s examples in rows of at most `row_tokens` tokens: as many rows as first fit (longest first) needs,
-    with their tokens balanced where that keeps every row within the cap (the micro-batch pads to its longest row,
-    and eager attention costs each row its length squared), else first fit's rows. An example longer than the cap
-    gets a row of its own. Each row keeps the group's order. Deterministic."""
+    their tokens then balanced (`balanced_split`, improved by `even_out`) where that keeps every row within the cap
+    (the micro-batch pads to its longest row, and eager attention costs each row its length squared), else first
+    fit's rows. An example longer than the cap gets a row of its own. Each row keeps the group's order.
+    Deterministic."""
     rows: list[list[int]] = []
     loads: list[int] = []
     for position in sorted(range(len(group)), key=lambda p: (-lengths[group[p]], p)):
@@ -86,10 +87,47 @@ def pack_rows(group: list[int], lengths: list[int], row_tokens: int) -> list[lis
         rows[target].append(position)
         loads[target] += n
     first_fit = [[group[p] for p in sorted(row)] for row in rows]
-    balanced = balanced_split(group, lengths, len(rows))
-    if len(rows) > 1 and largest_load(balanced, lengths) <= row_tokens:
+    if len(rows) == 1:
+        return first_fit
+    balanced = even_out(balanced_split(group, lengths, len(rows)), lengths, group)
+    if largest_load(balanced, lengths) <= row_tokens:
         return balanced
     return first_fit
+
+
+def even_out(groups: list[list[int]], lengths: list[int], order: list[int]) -> list[list[int]]:
+    """Lower the heaviest group's load by moving one of its examples to another group, or swapping it for a
+    shorter one there, the best such change at a time, until none helps (longest-first greedy leaves a step's few
+    examples up to a long example's length apart; the longest row is what the micro-batch pads to). Each change
+    lowers the heaviest load or the number of groups that carry it, so it ends. Each group keeps `order` (the
+    step's)."""
+    rank = {i: p for p, i in enumerate(order)}
+    groups = [list(g) for g in groups]
+    while True:
+        loads = [sum(lengths[i] for i in g) for g in groups]
+        heavy = max(range(len(groups)), key=lambda j: (loads[j], -j))
+        best = None  # (new larger load of the two groups, example out, example in or None, other group)
+        for j, other in enumerate(groups):
+            if j == heavy:
+                continue
+            for a in groups[heavy]:
+                for b in [None, *other]:
+                    shift = lengths[a] - (0 if b is None else lengths[b])
+                    if shift <= 0:
+                        continue
+                    after = max(loads[heavy] - shift, loads[j] + shift)
+                    if after < loads[heavy] and (best is None or after < best[0]):
+                        best = (after, a, b, j)
+        if best is None:
+            return groups
+        _, a, b, j = best
+        groups[heavy].remove(a)
+        groups[j].append(a)
+        if b is not None:
+            groups[j].remove(b)
+            groups[heavy].append(b)
+        groups[heavy].sort(key=rank.__getitem__)
+        groups[j].sort(key=rank.__getitem__)
 
 
 def fits(group: list[int], lengths: list[int], plan: FlatBatching) -> bool:
