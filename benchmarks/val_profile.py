@@ -4,8 +4,9 @@
 
 Times the imports exp.train pays and the preflight's CUDA probe alone, then trains with the overrides given
 (`exp.train.run`) with every validation batch timed (CUDA synchronised before and after) and batches 2-4 of the
-first validation profiled (torch.profiler: device and host time per operator). Prints everything; nothing is
-changed in exp.
+first validation profiled (torch.profiler: device and host time per operator), and the samples' greedy answers
+timed at every validation, the first call profiled (the process's first `generate` costs several times a later
+one on a GPU). Prints everything; nothing is changed in exp.
 """
 
 from __future__ import annotations
@@ -58,6 +59,34 @@ def timed_validation_step(self, batch, batch_idx):
 
 
 QLoRAModule.validation_step = timed_validation_step
+
+from exp.training.samples import SampleGenerations  # noqa: E402
+
+original_greedy = SampleGenerations._greedy
+greedy_calls: list[float] = []
+
+
+def timed_greedy(self, model, prompts, device):
+    sync()
+    start = time.perf_counter()
+    if not greedy_calls:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            answers = original_greedy(self, model, prompts, device)
+            sync()
+        table = prof.key_averages()
+        if CUDA:
+            print(table.table(sort_by="self_cuda_time_total", row_limit=12))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=18))
+    else:
+        answers = original_greedy(self, model, prompts, device)
+    sync()
+    greedy_calls.append(time.perf_counter() - start)
+    print(f"samples' generate call {len(greedy_calls)}: {len(prompts)} prompts, {greedy_calls[-1]:.2f} s", flush=True)
+    return answers
+
+
+SampleGenerations._greedy = timed_greedy
 from exp.train import run  # noqa: E402
 
 run(sys.argv[1:])
