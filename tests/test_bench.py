@@ -398,3 +398,62 @@ def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     part_base, part_exp = later["rows"]
     assert part_base["real_tokens"] == part_exp["real_tokens"] == base["real_tokens"][2:]
     assert part_exp["losses"] == pytest.approx(part_base["losses"], rel=1e-4)
+
+
+def bench_result(path: Path, side: str, first_step: int, steps: int, *, fingerprint: str = "f0") -> Path:
+    """A real-data exp.bench result file as a run writes it (one row: the baseline, or exp padding-free), with
+    step times, real tokens and losses that depend on the step only."""
+    from dataclasses import asdict
+
+    from exp.bench import Settings, summarise
+
+    run = Settings(model="gemma_tiny", seq=64, steps=steps, warmup=1, data_path="d.json", first_step=first_step,
+                   device="cpu")  # fmt: skip
+    settings = {**asdict(run), "micro_batch": [8]}
+    span = range(first_step, first_step + steps)
+    row = {
+        "variant": side, "side": side, "micro_batch": 8, "is_reference": side == "baseline", "status": "ok",
+        "step_s": [(2.0 if side == "baseline" else 0.5) + 0.01 * s for s in span],
+        "real_tokens": [100 + s for s in span],
+        "losses": [10.0 - 0.1 * (s - first_step) + (0.001 if side == "exp" else 0) for s in span],
+        "val_loss": 9.0, "lora_fingerprint": fingerprint, "peak_memory_bytes": 2**30 * (1 + first_step),
+    }  # fmt: skip
+    if side == "exp":
+        row["same_steps"] = True
+    summarise(row, run, {"per_token": 1.0}, None)
+    report = {"command": f"python -m exp.bench first_step={first_step}", "settings": settings, "rows": [row],
+              "flops": {"per_token": 1.0}, "peak_tflops": None, "parity_steps": 30, "parity_tol": 0.01,
+              "date": "-", "device": "cpu", "versions": {}, "git": {}}  # fmt: skip
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_a_baseline_measured_in_parts_joins_into_the_whole_runs_wall_clock(tmp_path):
+    """The loop's 200 steps do not fit one GPU command: exp.bench takes them in parts (first_step), and the parts
+    join into one baseline row beside exp's whole run: the steps' times and real tokens end to end, the per-step
+    losses of the first part only (the later ones started from fresh adapters), no validation loss."""
+    exp_run = bench_result(tmp_path / "exp.json", "exp", 0, 4)
+    parts = [bench_result(tmp_path / "b2.json", "baseline", 2, 2), bench_result(tmp_path / "b0.json", "baseline", 0, 2)]
+    join = [sys.executable, str(ROOT / "benchmarks" / "join_bench.py")]
+    proc = subprocess.run([*join, str(exp_run), *map(str, parts)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    joined = json.loads((tmp_path / "exp-joined.json").read_text())
+    base, exp = joined["rows"]
+    assert base["parts"] == 2 and base["real_tokens"] == exp["real_tokens"] == [100, 101, 102, 103]
+    assert base["step_s"] == pytest.approx([2.0, 2.01, 2.02, 2.03])  # in step order, whatever order they came in
+    assert base["all_steps_s"] == pytest.approx(8.06) and base["val_loss"] is None
+    assert base["losses"] == pytest.approx([10.0, 9.9]) and base["peak_memory_gib"] == 3.0
+    assert exp["all_steps_speedup"] == pytest.approx(round(8.06 / 2.06, 3))
+    assert exp["parity"]["steps"] == 2 and exp["parity"]["ok"] and exp["parity"]["same_lora_init"]
+    md = (tmp_path / "exp-joined.md").read_text()
+    assert "| exp | 2.06 | 3.91x | 406 |" in md and "2 parts of one run joined end to end" in md
+
+    # Parts that leave a gap, cover other steps, or started from other adapters are refused with what is wrong.
+    gap = bench_result(tmp_path / "b3.json", "baseline", 3, 1)
+    proc = subprocess.run([*join, str(exp_run), str(parts[1]), str(gap)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "starts at step 3, where the parts before it end at step 2" in proc.stderr
+    proc = subprocess.run([*join, str(exp_run), str(parts[1])], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "steps': (2, 4)" in proc.stderr  # one file: the same settings, steps included
+    other = bench_result(tmp_path / "b2x.json", "baseline", 2, 2, fingerprint="f1")
+    proc = subprocess.run([*join, str(exp_run), str(parts[1]), str(other)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "LoRA inits differ" in proc.stderr

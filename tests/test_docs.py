@@ -315,6 +315,7 @@ CHECKS = {
     "exp.report": "arguments parsed",
     "make": "make -n",
     "bash": "bash -n",
+    "python": "a script under benchmarks/: it exists and compiles",
     "echo": "the exit status a transcript shows: part of the command before it",
     "curl": "a download (no network in tests): the file a later command reads, which check_preview stands in for",
 }
@@ -357,6 +358,9 @@ def test_documented_command(cmd: DocCommand, tmp_path, monkeypatch, capsys, capl
         check_report(args, capsys)
     elif kind == "make":
         check_make(args)
+    elif kind == "python":
+        assert args[0].startswith("benchmarks/") and (ROOT / args[0]).is_file(), f"{cmd.where}: no {args[0]}"
+        compile((ROOT / args[0]).read_text(), args[0], "exec")
     elif kind == "curl":  # -LO <url>: saved under the URL's file name, which the commands after it read
         name = args[-1].rsplit("/", 1)[-1]
         assert args[-1].startswith("https://") and "-LO" in args

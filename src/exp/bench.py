@@ -662,6 +662,11 @@ def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: 
         if ref is None or ref is row or ref["status"] != "ok" or row["status"] != "ok":
             continue
         row["speedup"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3) if ref.get("tokens_per_s") else None
+        if row.get("all_steps_s") and ref.get("all_steps_s") and row.get("real_tokens") == ref.get("real_tokens"):
+            # the same examples step by step: the whole run's wall-clock, compilation and warm-up included
+            row["all_steps_speedup"] = round(ref["all_steps_s"] / row["all_steps_s"], 3)
+        if ref.get("parts") and not row.get("same_steps"):
+            continue  # a baseline joined from parts has no validation loss of the run, and these steps differ
         if row.get("val_loss") is not None and ref.get("val_loss") is not None:
             diff = abs(row["val_loss"] - ref["val_loss"]) / abs(ref["val_loss"])
             row["parity"] = {
@@ -760,13 +765,23 @@ def markdown(report: dict[str, Any]) -> str:
     if s.get("data_path"):
         lines += [
             "",
-            "| variant | all steps s | real tokens | real tokens/s, all steps | validation loss |",
-            "|---|---|---|---|---|",
+            "| variant | all steps s | vs baseline, all steps | real tokens | real tokens/s, all steps "
+            "| validation loss |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['variant']} | {fmt(r.get('all_steps_s'))} | {fmt(r.get('all_steps_real_tokens'), ',')} "
+            f"| {r['variant']} | {fmt(r.get('all_steps_s'))} "
+            f"| {fmt(r.get('all_steps_speedup'), '.2f')}{'x' if r.get('all_steps_speedup') else ''} "
+            f"| {fmt(r.get('all_steps_real_tokens'), ',')} "
             f"| {fmt(r.get('all_steps_tokens_per_s'), ',.0f')} | {fmt(r.get('val_loss'), '.4f')} |"
             for r in report["rows"]
+        ]
+        lines += [
+            f"\n{r['variant']}: {r['parts']} parts of one run joined end to end (each from fresh adapters: the "
+            "per-step losses are the first part's, the validation loss is none of theirs; the loss diff above is "
+            f"the largest per-step difference over the first {report['parity_steps']} steps)"
+            for r in report["rows"]
+            if r.get("parts")
         ]
     for r in report["rows"]:
         prof = r.get("profile")
@@ -804,25 +819,76 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def reference_rows(path: Path, settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
-    """The plain baseline's rows of an earlier result, if it was measured with these settings (for split runs)."""
-    earlier = json.loads(path.read_text())
+def reference_rows(paths: list[Path], settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
+    """The plain baseline's rows of earlier results, if they were measured with these settings (for split runs).
+
+    Several files are parts of one real-data run (`first_step`): together their steps must be this invocation's
+    steps, each part starting where the one before ended; their rows are joined (`join_parts`)."""
     # The memory budget and profiling are exp's alone: the baseline ran the same whatever they were.
     exp_only = {"micro_batch": None, "memory_budget": None, "profile": None}
-    mine = {**asdict(settings), **exp_only}
-    theirs = {**Settings().__dict__, **earlier["settings"], **exp_only}
-    if mine != theirs:
-        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-        raise ValueError(f"reference={path}: measured with other settings (theirs, ours): {diff}")
-    rows = [
-        {**r, "reference_from": str(path)}
-        for r in earlier["rows"]
-        if r["is_reference"] and r["micro_batch"] in micro_batches and r["status"] == "ok"
-    ]
-    missing = sorted(set(micro_batches) - {r["micro_batch"] for r in rows})
-    if missing:
-        raise ValueError(f"reference={path}: no successful plain-baseline row for micro-batch {missing}")
-    return rows
+    span = {"first_step": None, "steps": None} if len(paths) > 1 else {}
+    mine = {**asdict(settings), **exp_only, **span}
+    earlier = []
+    for path in paths:
+        report = json.loads(path.read_text())
+        theirs = {**Settings().__dict__, **report["settings"]}
+        compared = {**theirs, **exp_only, **span}
+        if mine != compared:
+            diff = {k: (compared.get(k), v) for k, v in mine.items() if compared.get(k) != v}
+            raise ValueError(f"reference={path}: measured with other settings (theirs, ours): {diff}")
+        rows = [
+            {**r, "reference_from": str(path)}
+            for r in report["rows"]
+            if r["is_reference"] and r["micro_batch"] in micro_batches and r["status"] == "ok"
+        ]
+        missing = sorted(set(micro_batches) - {r["micro_batch"] for r in rows})
+        if missing:
+            raise ValueError(f"reference={path}: no successful plain-baseline row for micro-batch {missing}")
+        earlier.append((theirs["first_step"], theirs["steps"], path, rows))
+    if len(earlier) == 1:
+        return earlier[0][3]
+    earlier.sort(key=lambda e: e[0])
+    at = settings.first_step
+    for first, steps, path, _ in earlier:
+        if first != at:
+            raise ValueError(
+                f"reference={path}: starts at step {first}, where the parts before it end at step {at}: the parts "
+                f"must follow each other from first_step={settings.first_step}"
+            )
+        at += steps
+    if at != settings.first_step + settings.steps:
+        raise ValueError(
+            f"reference: the parts cover steps {settings.first_step}-{at - 1}, this invocation's steps are "
+            f"{settings.first_step}-{settings.first_step + settings.steps - 1}: give steps={at - settings.first_step} "
+            "or the missing parts"
+        )
+    return [join_parts([next(r for r in e[3] if r["micro_batch"] == mb) for e in earlier]) for mb in micro_batches]
+
+
+def join_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One baseline row from the rows of consecutive parts of a run: their steps' times and real tokens end to end
+    (what the whole run's wall-clock is made of), the highest peak. Each part started from fresh adapters, so only
+    the first part's losses belong to the run (the per-step comparison uses those) and no part's validation loss
+    is the run's."""
+    fingerprints = {p.get("lora_fingerprint") for p in parts}
+    if len(fingerprints) > 1:
+        raise ValueError("reference: the parts' LoRA inits differ (another seed or LoRA setting)")
+    peaks = [p["peak_memory_bytes"] for p in parts if p.get("peak_memory_bytes") is not None]
+    joined = {
+        **{k: v for k, v in parts[0].items() if not isinstance(v, (list, dict))},
+        "step_s": [t for p in parts for t in p["step_s"]],
+        "real_tokens": [n for p in parts for n in p.get("real_tokens") or []] or None,
+        "losses": list(parts[0]["losses"]),
+        "val_loss": None,
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "wall_s": round(sum(p.get("wall_s") or 0 for p in parts), 1),
+        "reference_from": ", ".join(p["reference_from"] for p in parts),
+        "parts": len(parts),
+    }
+    for derived in ("step_s_median", "warmup_extra_s", "tokens_per_s", "all_steps_s", "all_steps_real_tokens",
+                    "all_steps_tokens_per_s", "peak_memory_gib", "mfu"):  # fmt: skip
+        joined.pop(derived, None)  # summarise computes them again over the whole run
+    return joined
 
 
 def bench_tool() -> Tool:
@@ -878,8 +944,9 @@ def bench_tool() -> Tool:
             Key(
                 "reference",
                 None,
-                "take the plain baseline's rows from this earlier result (same settings) instead of running it again",
-                placeholder="JSON",
+                "take the plain baseline's rows from this earlier result (same settings) instead of running it again; "
+                "several (comma-separated): parts of one real-data run (first_step) whose steps make this one's",
+                placeholder="JSON[,JSON...]",
             ),
             Key(
                 "memory_budget",
@@ -1042,17 +1109,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError) as e:
         print(f"exp: error: exp.bench: {e}", file=sys.stderr)
         return USAGE_EXIT
+    arch = config_arch(cfg)
+    flops = model_flops_per_token(arch, a.seq)
+    peak_tflops = a.peak_tflops if device == "cuda" else None
     reused: list[dict[str, Any]] = []
     if a.reference:
         try:
-            reused = reference_rows(Path(a.reference), base, a.micro_batch)
+            reused = reference_rows([Path(p) for p in a.reference.split(",")], base, a.micro_batch)
+            for row in reused:
+                if row.get("parts"):
+                    summarise(row, Settings(**{**asdict(base), "micro_batch": row["micro_batch"]}), flops, peak_tflops)
         except ValueError as e:
             print(f"exp: error: exp.bench: {e}", file=sys.stderr)
             return USAGE_EXIT
         variants = [v for v in variants if not v.is_reference]
-    arch = config_arch(cfg)
-    flops = model_flops_per_token(arch, a.seq)
-    peak_tflops = a.peak_tflops if device == "cuda" else None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     mbs = "-".join(map(str, a.micro_batch))
     out = Path(a.out_dir) / f"bench-{a.model}-{a.seq}x{mbs}-{stamp}"
