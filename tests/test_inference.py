@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Together
+from conftest import Together, compose_typed
 
 from exp.core.config import ConfigError
 
@@ -367,12 +367,35 @@ def test_lm_eval_without_the_package_says_how_to_install(short_run, capsys):
     assert code == 2 and "pip install lm-eval" in err
 
 
+def test_samples_at_the_step_0_validation_only_when_asked(tmp_path):
+    """The step-0 validation (Lightning's sanity check) answers the prompts only with trainer.sample_at_start: the
+    untrained adapters answer as the base model does, and would decode every sample_max_new_tokens token."""
+    from types import SimpleNamespace
+
+    from exp.training.samples import SampleGenerations
+
+    answered = []
+    for at_start in (False, True):
+        cfg = compose_typed([f"trainer.sample_at_start={str(at_start).lower()}"])
+        callback = SampleGenerations(cfg, tmp_path / f"samples-{at_start}.txt")
+        callback.prompts, callback.tokenizer = [[2, 5, 6]], SimpleNamespace(decode=lambda ids, **_: "p")
+        callback._greedy = lambda model, prompts, device: ["an answer"] * len(prompts)
+        for sanity, step in ((True, 0), (False, 15)):
+            trainer = SimpleNamespace(is_global_zero=True, sanity_checking=sanity, global_step=step, loggers=[])
+            module = SimpleNamespace(model=torch.nn.Linear(1, 1), device=torch.device("cpu"))
+            callback.on_validation_epoch_end(trainer, module)
+        text = callback.path.read_text()
+        answered.append([int(line.split()[2]) for line in text.splitlines() if line.startswith("=== step")])
+    assert answered == [[15], [0, 15]]
+
+
 def test_training_writes_samples_at_every_validation(short_run, loaded):
     text = (short_run.output_dir / "samples.txt").read_text()
     steps = [int(line.split()[2]) for line in text.splitlines() if line.startswith("=== step")]
-    assert steps == [0, 15, 30]  # the final validation repeats step 30 and is not written twice
-    assert text.count("[3] prompt: '### Instruction:\\nRepeat the words exactly.") == 3
-    assert text.count("    answer: ") == 9
+    # Not at step 0 (trainer.sample_at_start); the final validation repeats step 30 and is not written twice.
+    assert steps == [15, 30]
+    assert text.count("[3] prompt: '### Instruction:\\nRepeat the words exactly.") == 2
+    assert text.count("    answer: ") == 6
     # Prompts are written exactly: a copied one, after <bos>, is the held-out example's prompt token for token.
     from exp.training.samples import prompt_ids_from_heldout
 

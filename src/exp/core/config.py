@@ -329,6 +329,11 @@ class TrainerConfig:
     sample_prompts: list[str] = field(default_factory=list)
     sample_count: int = 3  # 0 (with no sample_prompts): no samples
     sample_max_new_tokens: int = 24
+    # Also at the step-0 validation. Off: the adapters start as the identity (LoRA's B is zero), so step 0's answers
+    # are the base model's, the same for every job of a sweep, and an untrained adapter rarely stops early: all
+    # `sample_max_new_tokens` decoding steps, before the first training step (on one H100, 5.7 s of a Gemma-7B-shape
+    # step-0 validation of 8.0 s; benchmarks/results/real200_h100_20261206/).
+    sample_at_start: bool = False
     checkpoint_every_n_steps: int = 1000
     # Periodic checkpoints kept (the newest K; `last.ckpt` and the best by val/loss are kept besides).
     keep_last_checkpoints: int = 3

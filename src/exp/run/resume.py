@@ -43,6 +43,7 @@ MAY_DIFFER = (
     "trainer.sample_prompts",
     "trainer.sample_count",
     "trainer.sample_max_new_tokens",
+    "trainer.sample_at_start",
     "hardware.num_workers",
     # Which layers recompute changes memory and speed, not the result (the gradients are bitwise the same, tested),
     # and the preflight's choice follows the free memory of the GPU the continuation lands on.

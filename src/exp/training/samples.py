@@ -1,5 +1,8 @@
 """Answers to a fixed set of prompts at every validation, so a user can watch them change across steps.
 
+Not at the step-0 validation unless `trainer.sample_at_start` (the untrained adapters answer as the base model
+does; config.py says why that is off by default).
+
 Greedy decoding (deterministic: a change in the text is a change in the model) on rank zero, appended to
 `<run>/samples.txt` and, with the W&B logger, logged as a `samples` table (step, prompt, answer) that grows with
 every validation. The prompts are `trainer.sample_prompts` (instructions, put in the data's prompt format), or by
@@ -60,7 +63,8 @@ def prompt_ids_from_text(cfg: TrainConfig, tokenizer: Any, prompts: list[str]) -
 
 
 class SampleGenerations(L.Callback):
-    """Greedy answers to fixed prompts after every validation (step 0 included), to a text file and W&B."""
+    """Greedy answers to fixed prompts after every validation (step 0's with `trainer.sample_at_start`), to a
+    text file and W&B."""
 
     def __init__(self, cfg: TrainConfig, path: Path):
         self.cfg, self.path = cfg, path
@@ -88,6 +92,8 @@ class SampleGenerations(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
+        if trainer.sanity_checking and not self.cfg.trainer.sample_at_start:
+            return  # the step-0 validation (Lightning's sanity check over the whole split)
         step = trainer.global_step
         if step in self.done_steps:  # the final trainer.validate repeats the last step's evaluation
             return
