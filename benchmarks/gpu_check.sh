@@ -45,7 +45,8 @@
 #   loop200      exp.bench real-data mode on $EXP_ALPACA, Gemma-7B shape, 2048 x 8: the hand-written loop's steps
 #                $FIRST_STEP (0) to $FIRST_STEP + $LOOP_STEPS (100) of the seeded order (one part of its 200-step
 #                wall-clock per call: a step's work depends on its examples, not on the adapters)
-#   exp200       the same file and shape: exp's 200 steps in one invocation (wall-clock, compile included)
+#   exp200       the same file and shape: exp's 200 steps in one invocation (wall-clock, compile included), beside
+#                the loop's parts of the same file that earlier loop200 calls on this machine kept (reference=)
 #   valprof      benchmarks/val_profile.py on $EXP_ALPACA, Gemma 3 1B, 10 steps: start-up imports, the CUDA probe, every
 #                validation batch timed, three profiled
 #   synthfam     exp.bench exp-only on random tokens, 2048 x 8, for each of $SYNTH_MODELS (the families' synthetic
@@ -130,6 +131,7 @@ wait_gpu_released() {
   [ $waited -eq 0 ] || log "waited $waited s for the last stage's processes to release the GPU"
 }
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
+PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
   if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
@@ -246,10 +248,24 @@ run_stage() {
       stage "pfprofile_${PF_MODEL:-gemma_7b}" 300 "${BENCH[@]}" model=${PF_MODEL:-gemma_7b} data="$ALPACA" seq=2048 \
         micro_batch=8 steps=8 warmup=3 profile=true variant=exp ;;
     loop200)
+      # Each part's result is also kept in $PARTS (outside this call's work directory): a later call on the same
+      # (warm) machine joins them to exp's run (exp200).
       stage loop200 580 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=${LOOP_STEPS:-100} warmup=3 \
-        first_step=${FIRST_STEP:-0} variant=baseline ;;
+        first_step=${FIRST_STEP:-0} variant=baseline
+      mkdir -p "$PARTS"
+      part=$(ls -t "$WORK"/bench/bench-*.json 2>/dev/null | head -1)
+      if [ -n "$part" ] && python3 -c "import json, sys; rows = json.load(open(sys.argv[1]))['rows']
+sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
+        cp "$part" "$PARTS/$(basename "$ALPACA" .json)-from-${FIRST_STEP:-0}.json"
+      fi ;;
     exp200)
-      stage exp200 420 "${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=200 warmup=3 variant=exp ;;
+      # With the loop's parts of this file in $PARTS (earlier loop200 calls), they join into the baseline row; parts
+      # that do not make the same 200 steps are refused before anything runs (exit 2), and exp then runs alone.
+      export PARTS_REF
+      PARTS_REF=$(ls "$PARTS/$(basename "$ALPACA" .json)"-from-*.json 2>/dev/null | paste -sd, -)
+      exp200=("${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=200 warmup=3 variant=exp)
+      stage exp200 420 bash -c '"$@" ${PARTS_REF:+reference="$PARTS_REF"} || { rc=$?; [ $rc -eq 2 ] && [ -n "$PARTS_REF" ] && "$@"; }' \
+        _ "${exp200[@]}" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;
