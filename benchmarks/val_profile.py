@@ -5,8 +5,8 @@
 Times the imports exp.train pays and the preflight's CUDA probe alone, then trains with the overrides given
 (`exp.train.run`) with every validation batch timed (CUDA synchronised before and after) and batches 2-4 of the
 first validation profiled (torch.profiler: device and host time per operator), and the samples' greedy answers
-timed at every validation, the first call profiled (the process's first `generate` costs several times a later
-one on a GPU). Prints everything; nothing is changed in exp.
+timed at every validation, the first call profiled (host and device time per operator of a whole `generate`).
+Prints everything; nothing is changed in exp.
 """
 
 from __future__ import annotations
