@@ -285,10 +285,20 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
 def compile_decoder_layers(model: nn.Module) -> None:
     """torch.compile every decoder layer in place (`Module.compile`: parameter names and state-dict keys stay).
 
-    Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all,
-    and gradient checkpointing (applied around each layer's call) stays outside the compiled region. Dynamo's
-    automatic dynamic shapes handle varying lengths (exp.model.compile_cache says why not `dynamic=True`).
+    Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all.
+    Dynamo's automatic dynamic shapes handle varying lengths (exp.model.compile_cache says why not `dynamic=True`).
+
+    Recent transformers checkpoint a layer's `forward` (GradientCheckpointingLayer), inside the compiled call, so a
+    recomputed layer is one `torch.utils.checkpoint` region of the graph. Where the `kernels` package is installed
+    (transformers depends on it), the layer's forward sets and resets a context variable of that package, a side
+    effect Dynamo will not replay in the recomputation: it breaks the graph there and the layer runs eagerly
+    (`TORCH_LOGS=graph_breaks`: "HOP: Unsafe side effect"). A set-and-reset needs no replay, so Dynamo is told to
+    skip it (tests/test_compile_cache.py::test_recomputed_layers_compile_whole).
     """
+    import torch._dynamo.config as dynamo_config
+
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch versions that have it
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(model):
         layer.compile()
 
