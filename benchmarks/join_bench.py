@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from exp.bench import Settings, compare, markdown, reference_rows, summarise
+from exp.bench import Settings, compare, markdown, reference_rows
 
 
 def main(argv: list[str]) -> int:
@@ -27,12 +27,12 @@ def main(argv: list[str]) -> int:
     report = json.loads(exp_path.read_text())
     settings = Settings(**{**report["settings"], "micro_batch": report["settings"]["micro_batch"][0]})
     try:
-        baseline = reference_rows(parts, settings, report["settings"]["micro_batch"])
+        baseline = reference_rows(
+            parts, settings, report["settings"]["micro_batch"], report["flops"], report["peak_tflops"]
+        )
     except ValueError as e:
         print(f"join_bench: {e}", file=sys.stderr)
         return 2
-    for row in baseline:
-        summarise(row, settings, report["flops"], report["peak_tflops"])
     report["rows"] = baseline + [r for r in report["rows"] if not r["is_reference"]]
     report["command"] += " (joined with: " + ", ".join(f"`{json.loads(p.read_text())['command']}`" for p in parts) + ")"
     compare(report["rows"], report["parity_steps"], report["parity_tol"])

@@ -819,11 +819,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def reference_rows(paths: list[Path], settings: Settings, micro_batches: list[int]) -> list[dict[str, Any]]:
+def reference_rows(
+    paths: list[Path], settings: Settings, micro_batches: list[int], flops: dict[str, Any], peak_tflops: float | None
+) -> list[dict[str, Any]]:
     """The plain baseline's rows of earlier results, if they were measured with these settings (for split runs).
 
     Several files are parts of one real-data run (`first_step`): together their steps must be this invocation's
-    steps, each part starting where the one before ended; their rows are joined (`join_parts`)."""
+    steps, each part starting where the one before ended; their rows are joined (`join_parts`) and summarised over
+    the whole run."""
     # The memory budget and profiling are exp's alone: the baseline ran the same whatever they were.
     exp_only = {"micro_batch": None, "memory_budget": None, "profile": None}
     span = {"first_step": None, "steps": None} if len(paths) > 1 else {}
@@ -862,7 +865,12 @@ def reference_rows(paths: list[Path], settings: Settings, micro_batches: list[in
             f"{settings.first_step}-{settings.first_step + settings.steps - 1}: give steps={at - settings.first_step} "
             "or the missing parts"
         )
-    return [join_parts([next(r for r in e[3] if r["micro_batch"] == mb) for e in earlier]) for mb in micro_batches]
+    joined = []
+    for mb in micro_batches:
+        row = join_parts([next(r for r in e[3] if r["micro_batch"] == mb) for e in earlier])
+        summarise(row, Settings(**{**asdict(settings), "micro_batch": mb}), flops, peak_tflops)
+        joined.append(row)
+    return joined
 
 
 def join_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1115,10 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
     reused: list[dict[str, Any]] = []
     if a.reference:
         try:
-            reused = reference_rows([Path(p) for p in a.reference.split(",")], base, a.micro_batch)
-            for row in reused:
-                if row.get("parts"):
-                    summarise(row, Settings(**{**asdict(base), "micro_batch": row["micro_batch"]}), flops, peak_tflops)
+            reused = reference_rows([Path(p) for p in a.reference.split(",")], base, a.micro_batch, flops, peak_tflops)
         except ValueError as e:
             print(f"exp: error: exp.bench: {e}", file=sys.stderr)
             return USAGE_EXIT

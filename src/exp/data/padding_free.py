@@ -20,8 +20,8 @@ Attention that computes every query-key pair of a row (eager: Gemma 2, whose log
 kernel lack) costs a row of T tokens heads x T x T scores, so one long row would cost more than the padded batch it
 replaces. `row_tokens` caps the rows: a micro-batch is then several rows of at most `row_tokens` tokens each (as
 few rows as first fit needs, their tokens balanced: `pack_rows`), as many rows as the budget has `row_tokens` in it,
-padded to its longest row. With `row_tokens` = max_seq_len a micro-batch of m rows holds at most the scores and activations of
-m padded rows of max_seq_len, which is what the memory estimate counts.
+padded to its longest row. With `row_tokens` = max_seq_len a micro-batch of m rows holds at most the scores and
+activations of m padded rows of max_seq_len, which is what the memory estimate counts.
 """
 
 from __future__ import annotations

@@ -581,8 +581,8 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     if attn == "eager" and cfg.hardware.padding_free:
         notes.append(
             "rows of several examples: eager attention (Gemma 2's, for its softcapping) computes every query-key "
-            f"pair of a row, so padding-free micro-batches are rows of at most data.max_seq_len={cfg.data.max_seq_len} tokens (no "
-            "more scores than padded rows of that length)"
+            "pair of a row, so padding-free micro-batches are rows of at most "
+            f"data.max_seq_len={cfg.data.max_seq_len} tokens (no more scores than padded rows of that length)"
         )
 
 
