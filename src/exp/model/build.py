@@ -286,7 +286,7 @@ def compile_decoder_layers(model: nn.Module) -> None:
     """torch.compile every decoder layer in place (`Module.compile`: parameter names and state-dict keys stay).
 
     Per layer rather than the whole model: every layer has the same code, so one compiled graph serves them all.
-    Dynamo's automatic dynamic shapes handle varying lengths (exp.model.compile_cache says why not `dynamic=True`).
+    Dynamo's automatic dynamic shapes handle varying lengths (exp.model.compile_cache says how many graphs that makes).
 
     Recent transformers checkpoint a layer's `forward` (GradientCheckpointingLayer), inside the compiled call, so a
     recomputed layer is one `torch.utils.checkpoint` region of the graph. Where the `kernels` package is installed
