@@ -27,7 +27,6 @@ from exp.run.compose import CONF_DIR, compose_config, to_typed
 from exp.run.dirs import (
     RunLayout,
     claim_run_dir,
-    discard_run_dir,
     lock_run,
     new_run_dir,
     release_runs,
@@ -79,7 +78,7 @@ def _task(dcfg: DictConfig) -> float:
         accelerator, quant_type = dcfg.hardware.accelerator, dcfg.quantization.quant_type  # enums of the schema
         start_probe(getattr(accelerator, "value", str(accelerator)), getattr(quant_type, "value", str(quant_type)))
     # Torch and Lightning load only here, once the command line has passed its checks.
-    from exp.training import pipeline
+    from exp.training import lifecycle, pipeline
     from exp.training.sweep_job import sweep_job
 
     if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -96,8 +95,7 @@ def _task(dcfg: DictConfig) -> float:
         cfg = to_typed(dcfg, launch_dir)
         result = pipeline.execute(cfg, output_dir, launch_dir)
     except BaseException as e:
-        if not (pipeline.refused(e) and discard_run_dir(output_dir)):
-            pipeline.record_stop(output_dir, e)
+        lifecycle.close_stopped(output_dir, e)
         pipeline.exit_on_known_error(e)
         raise
     return result.final_val["val/loss"]  # the value Hydra sweepers minimise
@@ -146,7 +144,7 @@ def run_hydra() -> None:
 
 def run(overrides: list[str] | None = None, output_dir: str | Path | None = None) -> TrainResult:
     """Compose the config as the CLI would and train; each call is a fresh run in a fresh directory."""
-    from exp.training import pipeline  # torch and Lightning, once the config composed
+    from exp.training import lifecycle, pipeline  # torch and Lightning, once the config composed
 
     cfg = compose_config(list(overrides or []))
     with guarded():
@@ -156,8 +154,7 @@ def run(overrides: list[str] | None = None, output_dir: str | Path | None = None
                 try:
                     return pipeline.execute(cfg, out, Path.cwd())
                 except BaseException as e:
-                    if not (pipeline.refused(e) and discard_run_dir(out)):
-                        pipeline.record_stop(out, e)
+                    lifecycle.close_stopped(out, e)
                     raise
         finally:
             release_runs()  # the run directory and any run it continued: free for the next call
@@ -170,7 +167,7 @@ def cli() -> None:
     except Preempted as e:  # before Hydra ran `main` (which handles its own)
         claimed = [Path(a.split("=", 1)[1][1:-1]) for a in sys.argv[1:] if a.startswith('hydra.run.dir="')]
         if claimed and RunLayout(claimed[-1]).status.exists():
-            from exp.training.pipeline import record_stop  # torch, on this rare path only
+            from exp.training.lifecycle import record_stop  # torch, on this rare path only
 
             record_stop(claimed[-1], e)
         elif {"-m", "--multirun"} & set(sys.argv[1:]):

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -26,19 +25,14 @@ from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_prefligh
 from exp.model.build import build_tokenizer, quiet_third_party_logs
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, write_run_config
-from exp.run.dirs import RESUME_RECORD, RunLayout, read_status, write_json, write_status
+from exp.run.dirs import RESUME_RECORD, RunLayout, write_json
 from exp.run.logs import RECORD, RecordMetrics, run_log
 from exp.run.resume import resolve
-from exp.run.tracking import (
-    build_loggers,
-    finish_loggers,
-    log_adapter_artifact,
-    new_wandb_run_id,
-    write_manifest,
-)
+from exp.run.tracking import build_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
 from exp.training.faults import TrainingFault, oom_diagnosis
 from exp.training.fsdp import gather_trainable, save_peft_adapter
 from exp.training.launch import close_process_group, launch_workers, needs_launch
+from exp.training.lifecycle import RunLifecycle, record_refused
 from exp.training.module import QLoRAModule, continued_schedule_note
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
 from exp.training.trainer import build_trainer
@@ -73,15 +67,11 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
 
     quiet_third_party_logs(cfg.verbose)
     started = time.time()
-    config = config_dict(cfg)
-    with GUARD.shielded():
-        if manage_run_dir:
+    if manage_run_dir:
+        with GUARD.shielded():
             write_run_config(cfg, output_dir)
-            write_status(output_dir, "running")
     resume = read_resume_record(output_dir)
-    loggers: list = []
-    ok = preempted = False
-    try:
+    with RunLifecycle(output_dir, owns_status=manage_run_dir, resume=resume) as run:
         GUARD.stop_now()  # a signal that arrived while the run was being recorded
         L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
         GUARD.phase = "model build"
@@ -90,108 +80,104 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         datamodule = build_run_datamodule(cfg, tokenizer)
         GUARD.phase = "start-up"
         checkpoint = Path(resume["checkpoint"]) if resume else None
-        tracking_ids = dict(resume["tracking_ids"]) if resume else {}
-        if cfg.logger.kind == LoggerKind.wandb:
-            tracking_ids.setdefault("wandb", new_wandb_run_id())
-        # The module holds no model yet: `trainer.fit` calls its `configure_model` hook on the device the strategy
-        # chose, which builds the 4-bit model there once (exp.model.build.build_model).
-        module = QLoRAModule(
-            cfg,
-            tracking_ids=tracking_ids,
-            last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
-        )
+        module = _build_module(cfg, output_dir, resume, checkpoint)
         run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
-        loggers = build_loggers(
-            cfg.logger,
-            output_dir,
-            run_name,
-            config,
-            cfg.experiment_name,
-            module.tracking_ids.get("wandb"),
-            steps_done=lambda: module.trainer.global_step,
+        run.track(
+            build_loggers(
+                cfg.logger,
+                output_dir,
+                run_name,
+                config_dict(cfg),
+                cfg.experiment_name,
+                module.tracking_ids.get("wandb"),
+                steps_done=lambda: module.trainer.global_step,
+            )
         )
         trainer = build_trainer(
             cfg,
             output_dir,
-            [*loggers, RecordMetrics(lambda: module.trainer.global_step)],
+            [*run.loggers, RecordMetrics(lambda: module.trainer.global_step)],
             resuming=checkpoint is not None,
             accumulate=datamodule.flat_accumulation,
         )
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
-            # The final evaluation, at the last step, unless fit's own validation has just measured that step (the
-            # same weights, split and batches: a second one would record the same numbers twice).
-            if module.last_val_step != trainer.global_step:
-                trainer.validate(module, datamodule=datamodule, verbose=False)
-        except torch.OutOfMemoryError as e:
-            raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
+        _fit_and_validate(cfg, trainer, module, datamodule, checkpoint)
         GUARD.phase = "saving the results"
-        adapter_dir = RunLayout(output_dir).adapter
         result = TrainResult(
             output_dir,
-            adapter_dir,
+            RunLayout(output_dir).adapter,
             module.initial_val or {},
             module.last_val,
             datamodule.majority_token_accuracy(),
             module,
         )
-        replicas_agree = module.check_replicas_agree()  # every rank must hold the same adapters
-        placements = module.gather_placements()
-        throughput = module.gather_throughput()
+        gathered = _gather_from_ranks(module)
         GUARD.stop_now()  # the last moment to stop: from here the run finishes (seconds) whatever arrives
         # The results are written whole: a signal from here on is noted, and the run completes first.
         with GUARD.shielded():
-            save_adapter(module, trainer, adapter_dir, tokenizer)
+            save_adapter(module, trainer, result.adapter_dir, tokenizer)
             if trainer.is_global_zero:
-                summary = {
-                    "steps": trainer.global_step,
-                    "seconds": round(time.time() - started, 1),
-                    "initial_val": result.initial_val,
-                    "final_val": result.final_val,
-                    "chance_token_accuracy": result.chance_token_accuracy,
-                    **throughput,
-                    "device": str(module.device),
-                    "world_size": trainer.world_size,
-                    "replica_adapter_checksums": replicas_agree,
-                    "placement_per_rank": placements,
-                    "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
-                    "skipped_steps": module.skipped_steps,
-                    "resumed_from": resume,
-                    "data": datamodule.stats,
-                }
+                summary = _summary(module, trainer, datamodule, result, resume, started, gathered)
                 write_json(RunLayout(output_dir).summary, summary)
                 print_summary(summary, output_dir)
                 if cfg.logger.log_adapter:
-                    log_adapter_artifact(loggers, adapter_dir, run_name)
-            ok = True
+                    log_adapter_artifact(run.loggers, result.adapter_dir, run_name)
         return result
-    except BaseException as e:
-        with GUARD.shielded():
-            stop = e if isinstance(e, Preempted) else None
-            if stop is None and GUARD.received is not None and not isinstance(e, ConfigError):
-                # Failed after a signal: a process group's signal also ends the run's DataLoader workers, and the
-                # next batch then fails. The signal is what stopped the run.
-                stop = Preempted(GUARD.received, phase=GUARD.phase)
-            preempted = stop is not None
-            if stop is not None and stop.checkpoint is None:  # stopped outside the training loop: where to go on from
-                stop.checkpoint = newest_checkpoint(output_dir, resume)
-            error = f"Preempted: {stop}" if stop is not None else f"{type(e).__name__}: {e}"
-            RECORD.error("run %s: %s", "preempted" if preempted else "failed", error)
-            if manage_run_dir:
-                write_status(output_dir, "preempted" if preempted else "failed", error=error)
-        if stop is not None and stop is not e:
-            raise stop from e
-        raise
-    finally:
-        with GUARD.shielded():
-            finish_loggers(loggers, ok, preempted)
-            if ok and manage_run_dir:
-                write_status(output_dir, "completed")
-        if ok and GUARD.received is not None and not GUARD.acted:
-            name = signal.Signals(GUARD.received).name
-            print(f"exp: {name} arrived while the results were being saved; the run completed first", flush=True)
+
+
+def _build_module(cfg: TrainConfig, output_dir: Path, resume: dict | None, checkpoint: Path | None) -> QLoRAModule:
+    """The LightningModule, holding no model yet: `trainer.fit` calls its `configure_model` hook on the device the
+    strategy chose, which builds the 4-bit model there once (exp.model.build.build_model)."""
+    tracking_ids = dict(resume["tracking_ids"]) if resume else {}
+    if cfg.logger.kind == LoggerKind.wandb:
+        tracking_ids.setdefault("wandb", new_wandb_run_id())
+    return QLoRAModule(
+        cfg,
+        tracking_ids=tracking_ids,
+        last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
+    )
+
+
+def _fit_and_validate(cfg: TrainConfig, trainer, module, datamodule, checkpoint: Path | None) -> None:
+    """Train, then the final evaluation at the last step, unless fit's own validation has just measured that step
+    (the same weights, split and batches: a second one would record the same numbers twice)."""
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
+        if module.last_val_step != trainer.global_step:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    except torch.OutOfMemoryError as e:
+        raise oom_diagnosis(cfg, module.device, trainer.global_step) from e
+
+
+def _gather_from_ranks(module) -> dict:
+    """What summary.json needs from every rank (collective: each rank calls it): whether all ranks hold the same
+    adapters, where each rank's weights lived, and the throughput of all processes together."""
+    return {
+        "replica_adapter_checksums": module.check_replicas_agree(),
+        "placement_per_rank": module.gather_placements(),
+        "throughput": module.gather_throughput(),
+    }
+
+
+def _summary(module, trainer, datamodule, result: TrainResult, resume: dict | None, started: float, gathered: dict):
+    """summary.json's record of the run (rank 0, once the adapter is saved)."""
+    return {
+        "steps": trainer.global_step,
+        "seconds": round(time.time() - started, 1),
+        "initial_val": result.initial_val,
+        "final_val": result.final_val,
+        "chance_token_accuracy": result.chance_token_accuracy,
+        **gathered["throughput"],
+        "device": str(module.device),
+        "world_size": trainer.world_size,
+        "replica_adapter_checksums": gathered["replica_adapter_checksums"],
+        "placement_per_rank": gathered["placement_per_rank"],
+        "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
+        "skipped_steps": module.skipped_steps,
+        "resumed_from": resume,
+        "data": datamodule.stats,
+    }
 
 
 def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
@@ -284,7 +270,7 @@ def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> Tra
         log.info("preflight: %s", note)
     if not check.ok:
         message = format_findings(check)
-        write_status(output_dir, "failed", error=message)
+        record_refused(output_dir, message)
         RECORD.error("%s", message)
         print(message, file=sys.stderr)
         sys.exit(PREFLIGHT_EXIT)
@@ -296,21 +282,18 @@ def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> Tra
         finally:
             close_process_group()  # under torchrun / SLURM this process is a rank: same exit hazard as exp's workers
     write_run_config(cfg, output_dir)
-    write_status(output_dir, "running")
-    log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
-    rc = launch_workers(cfg, output_dir)
     summary_path = RunLayout(output_dir).summary
-    if rc == REQUEUE_EXIT:
-        checkpoint = newest_checkpoint(output_dir, read_resume_record(output_dir))
-        where = f"checkpoint {checkpoint}" if checkpoint else "before any checkpoint: nothing to resume"
-        write_status(
-            output_dir, "preempted", error=f"Preempted: the worker processes were stopped by a signal; {where}"
-        )
-        sys.exit(rc)
-    if rc != 0 or not summary_path.exists():
-        write_status(output_dir, "failed", error=f"a worker process exited with status {rc}")
-        sys.exit(rc or 1)
-    write_status(output_dir, "completed")
+    with RunLifecycle(output_dir) as run:
+        log.info("launching %d processes (%s) for %s", cfg.hardware.devices, cfg.hardware.strategy.value, output_dir)
+        rc = launch_workers(cfg, output_dir)
+        if rc == REQUEUE_EXIT:
+            checkpoint = newest_checkpoint(output_dir, read_resume_record(output_dir))
+            where = f"checkpoint {checkpoint}" if checkpoint else "before any checkpoint: nothing to resume"
+            run.end("preempted", f"Preempted: the worker processes were stopped by a signal; {where}")
+            sys.exit(rc)
+        if rc != 0 or not summary_path.exists():
+            run.end("failed", f"a worker process exited with status {rc}")
+            sys.exit(rc or 1)
     summary = json.loads(summary_path.read_text())
     return TrainResult(
         output_dir,
@@ -320,25 +303,6 @@ def _execute(cfg: TrainConfig, output_dir: Path, launch_dir: Path | None) -> Tra
         summary["chance_token_accuracy"],
         None,
     )
-
-
-def refused(e: BaseException) -> bool:
-    """The run stopped before training: bad input (exit status 2) or a failed preflight (3). Its directory, if this
-    process made it, is removed again (exp.run.dirs.discard_run_dir): the message says all there is to say."""
-
-    return isinstance(e, ConfigError) or (isinstance(e, SystemExit) and e.code == PREFLIGHT_EXIT)
-
-
-def record_stop(run_dir: Path, e: BaseException) -> None:
-    """The status of a run that stopped outside `train` (which records its own): a bad config, or a signal during
-    start-up or the preflight."""
-
-    with GUARD.shielded():
-        if isinstance(e, ConfigError):
-            write_status(run_dir, "failed", error=str(e))
-        elif isinstance(e, Preempted) and read_status(run_dir).get("status") != "preempted":
-            e.checkpoint = e.checkpoint or newest_checkpoint(run_dir, read_resume_record(run_dir))
-            write_status(run_dir, "preempted", error=f"Preempted: {e}")
 
 
 def exit_on_known_error(e: BaseException) -> None:

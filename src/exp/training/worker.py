@@ -9,7 +9,8 @@ from pathlib import Path
 
 from exp.run.compose import load_run_config
 from exp.training.launch import die_with_launcher, end_rank
-from exp.training.pipeline import execute, exit_on_known_error, record_stop, train
+from exp.training.lifecycle import record_stop
+from exp.training.pipeline import execute, exit_on_known_error, train
 from exp.training.signals import GUARD
 
 
