@@ -1,8 +1,8 @@
 """The package's layers, checked from the source: every import of an `exp` module points down (or sideways within a
 layer), no import circle, and an import inside a function says why on its line or the one above.
 
-Layers, bottom to top (docs/architecture.md): core, data, model, hardware, run, training, then the user commands at
-the top of `exp` (train, evaluate, generate, merge, preview, doctor, report, bench)."""
+Layers, bottom to top (docs/architecture.md): core, data, model, hardware, run, training, study, then the user commands
+at the top of `exp` (train, evaluate, generate, merge, preview, doctor, report, bench)."""
 
 import ast
 from pathlib import Path
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "exp"
-LAYERS = ["core", "data", "model", "hardware", "run", "training"]
+LAYERS = ["core", "data", "model", "hardware", "run", "training", "study"]
 COMMANDS = {"train", "evaluate", "generate", "merge", "preview", "doctor", "report", "bench"}
 
 
@@ -132,11 +132,13 @@ def test_imports_inside_functions_say_why():
         "exp.hardware.memory",
         "exp.hardware.preflight",
         "exp.run.compose",
+        "exp.study.scheduler",
         "exp.doctor",
     ],
 )
 def test_torch_free_modules_import_without_torch(module):
-    """The config path and the memory arithmetic stay cheap: a fresh interpreter imports them without torch."""
+    """The config path and the memory arithmetic stay cheap, and the `gpus` launcher's process, which only starts
+    job processes, never loads torch: a fresh interpreter imports them without it."""
     import subprocess
     import sys
 

@@ -1,4 +1,4 @@
-"""The packing decisions of `hydra/launcher=gpus` (exp.run.placement) against simulated GPUs: never more reserved
+"""The packing decisions of `hydra/launcher=gpus` (exp.study.placement) against simulated GPUs: never more reserved
 on a GPU than it holds, jobs started in sweep order, a GPU backing off after an OOM, jobs too large for every GPU
 rejected rather than waited for, and reused jobs never placed. Pure Python: no CUDA, no processes."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from exp.hardware.memory import GiB
 from exp.hardware.preflight import Gpu
-from exp.run.placement import JobDemand, Packer, simulate
-from exp.run.study_plan import PlannedJob, Pool, packer_demands
+from exp.study.placement import JobDemand, Packer, simulate
+from exp.study.plan import PlannedJob, Pool, packer_demands
 
 
 def _jobs(*gib: float) -> list[JobDemand]:
@@ -58,7 +58,7 @@ def test_jobs_start_in_sweep_order_and_a_large_job_is_not_overtaken():
 
 
 def test_packed_jobs_share_the_hosts_cores_for_compiling(monkeypatch):
-    from hydra_plugins.exp_gpu_launcher.launcher import compile_threads
+    from exp.study.scheduler import compile_threads
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
@@ -138,7 +138,7 @@ def test_a_jobs_reservation_is_its_estimate_plus_headroom_and_its_budget_its_res
 
     from exp.hardware.memory import estimate_for_config
     from exp.hardware.preflight import Environment, check
-    from exp.run.job_cost import memory_demand
+    from exp.study.cost import memory_demand
 
     cfg = compose_typed(["model=gemma_2b", "model.random_init=true", "hardware=gpu", "data.max_seq_len=512"])
     h200 = Gpu("NVIDIA H200", int(139.8 * GiB), int(139.8 * GiB), (9, 0))
@@ -170,7 +170,7 @@ H200 = Gpu("NVIDIA H200", int(139.8 * GiB), int(139.8 * GiB), (9, 0))
 
 def test_a_measured_peak_of_the_same_shape_sets_the_reservation():
     # The H200 study: Gemma-2B at 512 x 8 within 7.5 GiB, estimated to allocate 6.65 GiB, measured 11.75 GiB.
-    from exp.run.job_cost import MemoryShape, StepRecord, memory_demand
+    from exp.study.cost import MemoryShape, StepRecord, memory_demand
 
     plain = memory_demand(_study_job(), H200, 0.1)
     assert plain.measured_from == "" and plain.reserve_bytes == int(plain.estimate_bytes * 1.1)
@@ -207,7 +207,7 @@ def test_a_completed_gpu_run_records_its_peak_and_the_estimate_of_its_config(tmp
     from exp.hardware.preflight import Environment, check
     from exp.run.compose import write_run_config
     from exp.run.dirs import write_status
-    from exp.run.job_cost import find_records, memory_shape
+    from exp.study.cost import find_records, memory_shape
 
     resolved = check(_study_job(), Environment(torch_cuda="13.0", gpus=[H200])).cfg
     run = tmp_path / "study" / "0_lora.r=8"
@@ -239,10 +239,10 @@ def test_waiting_jobs_of_the_measured_shape_reserve_more_and_wait_for_room():
 def test_the_launcher_raises_the_waiting_jobs_of_a_shape_after_a_measured_peak(tmp_path):
     import json
 
-    from exp.run.job_cost import memory_demand
-    from hydra_plugins.exp_gpu_launcher.launcher import GpuPoolLauncher
+    from exp.study.cost import memory_demand
+    from exp.study.scheduler import GpuScheduler
 
-    launcher = GpuPoolLauncher(pack=True, headroom=0.1)
+    scheduler = GpuScheduler(pack=True, headroom=0.1)
     small, other = memory_demand(_study_job(), H200, 0.1), memory_demand(_study_job(micro_batch=1), H200, 0.1)
     jobs = [PlannedJob(i, f"{i}_j", [], cfg=object(), memory=m) for i, m in enumerate([small, small, small, other])]
     packer = Packer({"0": int(139.8 * GiB)}, [JobDemand(j.name, j.memory.reserve_bytes) for j in jobs], 1)
@@ -250,7 +250,7 @@ def test_the_launcher_raises_the_waiting_jobs_of_a_shape_after_a_measured_peak(t
     run = tmp_path / "0_j"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"peak_memory_gib": 11.75}))
-    launcher._learn_peak(tmp_path, "launch", packer, jobs, {j.name: i for i, j in enumerate(jobs)}, "0_j", run)
+    scheduler.learn_peak(tmp_path, "launch", packer, jobs, {j.name: i for i, j in enumerate(jobs)}, "0_j", run)
     reserve = {d.job: d.reserve_bytes for d in packer.pending}
     assert reserve["1_j"] == reserve["2_j"] > small.reserve_bytes * 1.5  # the same shape: raised
     assert jobs[1].memory.measured_from == str(run)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exp.report import JobRow, curve_label, log_axis, plot, swept_keys
+from exp.report import JobRow, curve_label, log_axis, plot
+from exp.study.stats import swept_keys
 
 
 def _rows() -> list[JobRow]:

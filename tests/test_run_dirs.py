@@ -405,12 +405,12 @@ def test_a_run_from_python_that_fails_outside_the_pipelines_handling_says_failed
 
 BROKEN_SWEEP_JOB = """
 import sys
-import exp.training.sweep_job
+import exp.study.job
 
 def broken(run_dir, env=None):
     raise RuntimeError("the job process could not be started")
 
-exp.training.sweep_job.run_job_process = broken
+exp.study.job.run_job_process = broken
 sys.argv = ["exp.train", *sys.argv[1:]]
 from exp.train import cli
 

@@ -336,15 +336,15 @@ HOSTILE = [
     (["+hydra.callbacks.x._target_=exp.training.launch.subprocess.Popen"], "is module subprocess"),
     # exp's own functions are not callbacks (write_json would write any file it is given).
     (["+hydra.callbacks.x._target_=exp.run.dirs.write_json"], "which is not a Hydra callback"),
-    (["+hydra.callbacks.x._target_=exp.run.sweep.SweepStatus.__class__"], "defined in builtins"),
-    (["+hydra.callbacks.x._target_=exp.run.sweep.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
+    (["+hydra.callbacks.x._target_=exp.study.records.SweepStatus.__class__"], "defined in builtins"),
+    (["+hydra.callbacks.x._target_=exp.study.records.SweepStatus.on_multirun_end"], "which is not a Hydra callback"),
     (["+hydra.callbacks.x._target_=exp.${oc.env:HOME}"], "may not be an interpolation"),
     (["+hydra.callbacks.x._target_=builtins.eval"], "it would import module builtins"),
     (["+hydra.callbacks.x._target_=exp..train"], "not a dotted Python name"),
     (["+hydra.callbacks.x._target_=exp.no_such_module.X"], "cannot be imported"),
-    (["hydra.launcher._target_=hydra_plugins.exp_gpu_launcher.launcher.subprocess.Popen"], "is module subprocess"),
+    (["hydra.launcher._target_=hydra._internal.core_plugins.basic_launcher.logging.Logger"], "is module logging"),
     (["hydra.launcher._target_=hydra._internal.utils._locate"], "module hydra._internal.utils"),
-    (["hydra.sweeper._target_=exp.run.sweep.SweepStatus"], "it would import module exp;"),
+    (["hydra.sweeper._target_=exp.study.records.SweepStatus"], "it would import module exp;"),
     (["+hydra.callbacks.x.inner._target_=exp.train.os.system"], "is module os"),  # nested: instantiated first
     (["+model.arch._target_=os.system"], "it would import module os"),
     # logging.config: handler classes and factories, ext:// imports, log files outside the run directory.
@@ -427,7 +427,7 @@ def test_the_allowed_callables_resolve_to_what_hydra_would_build():
     from exp.run.security import CALLBACK, HANDLER, LAUNCHER, SAMPLER, locate
 
     for name, slot in [
-        ("exp.run.sweep.SweepStatus", CALLBACK),
+        ("exp.study.records.SweepStatus", CALLBACK),
         ("exp.run.security.RunRecord", CALLBACK),
         ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", LAUNCHER),
         ("hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher", LAUNCHER),
@@ -467,7 +467,7 @@ MADE_BY_A_RESOLVER = [
     # The callback node is written, its target made.
     (["+hydra.callbacks.x._target_='${oc.decode:os.system}'"], "hydra.callbacks.x._target_"),
     # An allowed name is refused too when an interpolation makes it: the check reads names as written.
-    (["+hydra.callbacks.x='${oc.create:{_target_: exp.run.sweep.SweepStatus}}'"], "hydra.callbacks.x._target_"),
+    (["+hydra.callbacks.x='${oc.create:{_target_: exp.study.records.SweepStatus}}'"], "hydra.callbacks.x._target_"),
     (["+hydra.launcher.inner='${oc.create:{_target_: os.makedirs, name: made}}'"], "hydra.launcher.inner._target_"),
     (["+model.arch.x='${oc.create:{_target_: os.system}}'"], "model.arch.x._target_"),
     (["+hydra.job_logging.formatters.f='${oc.create:{class: exp.train.os.system}}'"], "formatters.f.class"),
@@ -558,18 +558,18 @@ def test_only_the_named_exp_classes_may_be_instantiated(tmp_path, monkeypatch):
     under exp that the list does not name."""
     from hydra.experimental.callback import Callback
 
-    import exp.run.sweep
+    import exp.study.records
 
     monkeypatch.chdir(tmp_path)
     nested = "+hydra.callbacks.sweep_status.inner._target_=exp.run.dirs.RunLayout"
     problems = _problems([nested, "+hydra.callbacks.sweep_status.inner.run_dir=elsewhere"])
     assert len(problems) == 1 and "exp.run.dirs.RunLayout, which is not on exp's list" in problems[0], problems
     assert "nothing may be named there" in problems[0]
-    unlisted = type("Unlisted", (Callback,), {"__module__": "exp.run.sweep"})
-    monkeypatch.setattr(exp.run.sweep, "Unlisted", unlisted, raising=False)
-    problems = _problems(["+hydra.callbacks.x._target_=exp.run.sweep.Unlisted"])
-    assert len(problems) == 1 and "exp.run.sweep.Unlisted, which is not on exp's list" in problems[0], problems
-    assert "exp.run.sweep.SweepStatus, exp.run.security.RunRecord" in problems[0]
+    unlisted = type("Unlisted", (Callback,), {"__module__": "exp.study.records"})
+    monkeypatch.setattr(exp.study.records, "Unlisted", unlisted, raising=False)
+    problems = _problems(["+hydra.callbacks.x._target_=exp.study.records.Unlisted"])
+    assert len(problems) == 1 and "exp.study.records.Unlisted, which is not on exp's list" in problems[0], problems
+    assert "exp.study.records.SweepStatus, exp.run.security.RunRecord" in problems[0]
     problems = _problems(["-m", "hydra/sweeper=optuna", "hydra.sweeper.custom_search_space=exp.run.dirs.write_json"])
     assert len(problems) == 1 and "exp defines none" in problems[0], problems
 
@@ -578,8 +578,8 @@ def test_only_the_named_exp_classes_may_be_instantiated(tmp_path, monkeypatch):
     ("argv", "how"),
     [
         (["~hydra.callbacks.run_record"], "it is missing"),
-        (["hydra.callbacks.run_record._target_=exp.run.sweep.SweepStatus"], "it is missing"),
-        (["+hydra.callbacks.later._target_=exp.run.sweep.SweepStatus"], "hydra.callbacks.later comes after it"),
+        (["hydra.callbacks.run_record._target_=exp.study.records.SweepStatus"], "it is missing"),
+        (["+hydra.callbacks.later._target_=exp.study.records.SweepStatus"], "hydra.callbacks.later comes after it"),
         (["+hydra.callbacks.run_record._partial_=true"], "holds more than _target_"),
         (["hydra.callbacks.run_record='${oc.create:{_target_: exp.run.security.RunRecord}}'"], "interpolation"),
     ],

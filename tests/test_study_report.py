@@ -14,7 +14,7 @@ import pytest
 from test_sweeps import exp
 
 from exp.run.overrides import expand_seeds
-from exp.run.study_stats import ConfigStats, compare_with_best, holm, welch_p
+from exp.study.stats import ConfigStats, compare_with_best, holm, welch_p
 
 # --- statistics, by hand --------------------------------------------------------------------------------------
 

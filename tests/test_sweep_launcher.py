@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exp.run.sweep_launcher import identity
+from exp.study.launcher_watch import identity
 
 GONE_WITHIN_S = 120  # how long the jobs may take to stop on a busy 2-core machine (a bound, not a timing)
 STARTED_WITHIN_S = 300

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import Together
 
-from exp.run.sweep import job_groups
+from exp.study.records import job_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -317,7 +317,7 @@ def test_a_job_fingerprint_leaves_out_names_and_nothing_that_changes_results(tmp
     from exp.core.config import ConfigError
     from exp.run.compose import config_dict
     from exp.run.dirs import write_status
-    from exp.run.sweep import SweepConflict, earlier_result, fingerprint, record_job
+    from exp.study.records import SweepConflict, earlier_result, fingerprint, record_job
 
     base = config_dict(compose_typed([]))
     renamed = config_dict(compose_typed(["logger.group=elsewhere", "logger.run_name=x", "trainer.resume=auto"]))
@@ -345,7 +345,7 @@ TRAIN_PY = str(ROOT / "src" / "exp" / "train.py")
 def claim(argv: list[str]) -> list[str]:
     """`claim_study` as `python -m exp.train` calls it before Hydra starts."""
     from exp.run.compose import CONF_DIR
-    from exp.run.sweep import claim_study
+    from exp.study.claim import claim_study
 
     return claim_study(argv, TRAIN_PY, str(CONF_DIR), "train")
 
@@ -353,7 +353,7 @@ def claim(argv: list[str]) -> list[str]:
 def study_with_a_job(tmp_path: Path, argv: list[str]) -> Path:
     """The sweep directory `S` that the launch `argv` claimed, with one completed job; the claim released."""
     from exp.run.dirs import write_status
-    from exp.run.sweep import release_studies
+    from exp.study.claim import release_studies
 
     assert claim(argv)[-1] == 'hydra.sweep.dir="S"'
     job = tmp_path / "S" / "0_lora.r=4"
@@ -368,7 +368,7 @@ def test_a_second_study_in_a_sweep_dir_is_refused_and_the_same_one_resumes(tmp_p
     """The first study's jobs are never mixed with another's: other fixed settings or other swept keys are refused,
     before anything is written; more values of the same keys extend the study."""
     from exp.core.config import ConfigError
-    from exp.run.sweep import release_studies
+    from exp.study.claim import release_studies
 
     monkeypatch.chdir(tmp_path)
     first = ["-m", "lora.r=4,8", "trainer.max_steps=3", "hydra.sweep.dir=S"]
@@ -407,7 +407,7 @@ def test_jobs_without_the_record_of_their_study_are_never_adopted(tmp_path, monk
     """A sweep directory whose study.json is gone or damaged: its jobs may be any study's, so even a launch with the
     same settings is refused (nothing written); the time-stamped default passes it over."""
     from exp.core.config import ConfigError
-    from exp.run.sweep import release_studies
+    from exp.study.claim import release_studies
 
     monkeypatch.chdir(tmp_path)
     first = ["-m", "lora.r=4,8", "trainer.max_steps=3", "hydra.sweep.dir=S"]
@@ -460,7 +460,7 @@ def test_a_sweep_dir_that_a_live_launch_holds_is_refused_or_passed_over(tmp_path
     """Two launches at once: the second is refused (a named directory) or given its own (the time-stamped default),
     whichever study it is; once the first has ended, the same study resumes there."""
     from exp.core.config import ConfigError
-    from exp.run.sweep import release_studies
+    from exp.study.claim import release_studies
 
     monkeypatch.chdir(tmp_path)
     argv = ["-m", "lora.r=4,8", "hydra.sweep.dir=S"]

@@ -8,7 +8,7 @@ the sweep or run directory it is given, or `out=` (required for several paths): 
 
 Seeds: jobs that differ only in their seed (`seeds=N`, or trainer.seed swept) are repeats of one configuration.
 Each configuration gets the mean, standard deviation and 95% interval of its final metric over its seeds, and a
-mark where it differs from the best by more than the seed noise (exp.run.study_stats says which test);
+mark where it differs from the best by more than the seed noise (exp.study.stats says which test);
 configurations.csv holds the same, loss_curves_by_config.png the mean training loss with a band of one standard
 deviation. A sweep launched by `hydra/launcher=gpus` also gets its plan compared with what happened
 (placements.jsonl: estimated memory and time per job, and the study's wall-clock).
@@ -29,7 +29,8 @@ from exp.core.cli import Key, Parsed, Tool, run_tool
 from exp.core.config import ConfigError
 from exp.run.dirs import RunLayout, read_status, run_state
 from exp.run.overrides import SEED_KEYS
-from exp.run.study_stats import TEST_NAME, ConfigStats, best_of, compare_with_best
+from exp.study.journal import last_launch
+from exp.study.stats import TEST_NAME, ConfigStats, config_groups, rank, swept_keys
 
 TOOL = Tool(
     "exp.report",
@@ -193,12 +194,6 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
-def swept_keys(rows: list[JobRow]) -> list[str]:
-    """Override keys whose value differs between jobs: the study's parameters."""
-    known = [r for r in rows if r.overrides]
-    return sorted({k for r in known for k in r.overrides if len({x.overrides.get(k) for x in known}) > 1})
-
-
 def table(rows: list[JobRow], metric: str) -> tuple[list[str], list[list[str]]]:
     swept = swept_keys(rows)
     header = ["job", "status", *swept, f"final {metric}", f"best {metric}", "steps", "seconds", "tokens/s", "peak GiB"]
@@ -298,39 +293,15 @@ def _say_empty(ax, notes: list[str]) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=8)
 
 
-def config_label(row: JobRow, swept: list[str]) -> str:
-    """A configuration: the swept values of a job except its seed ("-" when the seed is all that varies)."""
-    return ",".join(f"{k}={row.overrides.get(k, '')}" for k in swept if k not in SEED_KEYS) or "-"
-
-
-def config_groups(rows: list[JobRow]) -> dict[str, list[JobRow]]:
-    """The completed jobs with a final metric, by configuration (repeats with other seeds together)."""
-    swept = swept_keys(rows)
-    groups: dict[str, list[JobRow]] = {}
-    for r in rows:
-        if r.status == "completed" and r.final is not None:
-            groups.setdefault(config_label(r, swept), []).append(r)
-    return groups
-
-
 def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str], list[list[str]], list[str]]:
     """Header, rows (best first) and the lines that say what the marks mean."""
     stats = [ConfigStats(label, [r.final for r in rs if r.final is not None]) for label, rs in groups.items()]
     if not stats:
         return [], [], []
-    best = best_of(stats)
-    verdicts = {c.config: c for c in compare_with_best(stats)}
     header = ["configuration", "seeds", f"mean {metric}", "std", "95% interval", "vs best", "p (Holm)"]
     body = []
-    for st in sorted(stats, key=lambda g: (g.mean, g.config)):
-        interval = st.interval
-        c = verdicts.get(st.config)
-        if st is best:
-            verdict, p = "best", "-"
-        elif c is None or c.p_holm is None:
-            verdict, p = "untested", "-"
-        else:
-            verdict, p = ("differs" if c.differs else "within noise"), f"{c.p_holm:.3g}"
+    for ranked in rank(stats):
+        st, interval = ranked.stats, ranked.stats.interval
         body.append(
             [
                 st.config,
@@ -338,8 +309,8 @@ def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str
                 f"{st.mean:.4g}",
                 _fmt(st.std),
                 f"[{interval[0]:.4g}, {interval[1]:.4g}]" if interval else "-",
-                verdict,
-                p,
+                ranked.verdict,
+                "-" if ranked.p_holm is None else f"{ranked.p_holm:.3g}",
             ]
         )
     notes = []
@@ -391,17 +362,9 @@ def plot_configs(groups: dict[str, list[JobRow]], out: Path) -> Path:
 
 def plan_comparison(sweep_dir: Path) -> list[str]:
     """The last launch's plan (placements.jsonl, written by hydra/launcher=gpus) against what happened."""
-    path = sweep_dir / "placements.jsonl"
-    if not path.is_file():
+    if (launch := last_launch(sweep_dir)) is None:
         return []
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    plans = [e for e in events if e.get("event") == "plan"]
-    if not plans:
-        return []
-    plan = plans[-1]
-    mine = [e for e in events if e.get("launch") == plan.get("launch")]
-    ends = {e["job"]: e for e in mine if e.get("event") == "end"}
-    starts = {e["job"]: e for e in mine if e.get("event") == "start"}
+    plan, starts, ends = launch.plan, launch.starts, launch.ends
     lines = [
         f"plan vs what happened (placements.jsonl, launch {plan.get('launch')}, {plan.get('launcher')} on "
         f"{', '.join(f'{g}: {m} GiB' for g, m in plan.get('gpus', {}).items())}):"
@@ -429,7 +392,7 @@ def plan_comparison(sweep_dir: Path) -> list[str]:
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lo, hi = plan.get("wall_clock_s") or [None, None]
-    actual = next((e["wall_clock_s"] for e in mine if e.get("event") == "launch_end"), None)
+    actual = launch.wall_clock_s
     unknown = len(plan.get("without_time") or [])
     if unknown or lo is None:
         estimate = f"unknown ({unknown} job(s) without a recorded throughput)"
@@ -440,8 +403,7 @@ def plan_comparison(sweep_dir: Path) -> list[str]:
         "  peak GiB is torch.cuda.max_memory_allocated (compare with est. allocated; est. GiB adds the CUDA context "
         "and allocator slack); '-' on the CPU"
     )
-    backoffs = [e for e in mine if e.get("event") == "backoff"]
-    for b in backoffs:
+    for b in launch.backoffs:
         lines.append(
             f"  back-off: GPU {b['gpu']} after {_job_label(b['job'])} ran out of memory: {b['capacity_before_gib']} -> "
             f"{b['capacity_after_gib']} GiB"

@@ -1,7 +1,7 @@
 """`python -m exp.train [overrides]`: fine-tune the LoRA adapters of a 4-bit Gemma.
 
 The front door: check the command line, claim the run (or sweep) directory, let Hydra compose the config, hand over to
-`exp.training.pipeline` (one run) or `exp.training.sweep_job` (one job of a multirun). `run([...overrides])` does
+`exp.training.pipeline` (one run) or `exp.study.job` (one job of a multirun). `run([...overrides])` does
 the same from Python (a notebook, a test).
 """
 
@@ -34,8 +34,8 @@ from exp.run.dirs import (
 )
 from exp.run.overrides import check_command_line, claim_pinned_run_dir, expand_seeds, join_launch
 from exp.run.security import run_record_failure
-from exp.run.sweep import claim_study, release_studies
-from exp.run.sweep_launcher import mark_launcher
+from exp.study.claim import claim_study, release_studies
+from exp.study.launcher_watch import mark_launcher
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, ends_recorded, guarded, stop_reason
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ def _task(dcfg: DictConfig) -> float:
         accelerator, quant_type = dcfg.hardware.accelerator, dcfg.quantization.quant_type  # enums of the schema
         start_probe(getattr(accelerator, "value", str(accelerator)), getattr(quant_type, "value", str(quant_type)))
     # Torch and Lightning load only here, once the command line has passed its checks.
+    from exp.study.job import sweep_job
     from exp.training import lifecycle, pipeline
-    from exp.training.sweep_job import sweep_job
 
     if hydra_cfg.mode == RunMode.MULTIRUN:
         return sweep_job(dcfg, Path(hydra_cfg.runtime.output_dir))
@@ -197,7 +197,7 @@ def _cli() -> None:
         print("exp: error: " + mask_secrets("\n".join(problems)), file=sys.stderr)
         sys.exit(2)
     if plan:
-        from exp.run.study_plan import print_plan  # composes every job: only for --plan
+        from exp.study.plan import print_plan  # composes every job: only for --plan
 
         sys.exit(print_plan(argv, __file__, str(CONF_DIR), "train"))
     if launch:

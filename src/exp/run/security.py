@@ -56,7 +56,7 @@ class Slot:
 
 
 # exp's Hydra callbacks, as conf/train.yaml registers them.
-EXP_CALLBACKS = ("exp.run.sweep.SweepStatus", "exp.run.security.RunRecord")
+EXP_CALLBACKS = ("exp.study.records.SweepStatus", "exp.run.security.RunRecord")
 CALLBACK = Slot("a Hydra callback", ("exp",), "hydra.experimental.callback:Callback", names=EXP_CALLBACKS)
 LAUNCHER = Slot("a Hydra launcher", PLUGINS, "hydra.plugins.launcher:Launcher")
 SWEEPER = Slot("a Hydra sweeper", PLUGINS, "hydra.plugins.sweeper:Sweeper")
@@ -598,7 +598,7 @@ class RunRecord(Callback):
         try:
             sys.argv[:] = [redact_override(arg) for arg in sys.argv]
             if config.hydra.mode == RunMode.MULTIRUN:
-                # A sweep job's record goes into the run directory the job claims (exp.train.start_sweep_job),
+                # A sweep job's record goes into the run directory the job claims (exp.study.job.start_sweep_job),
                 # which is not Hydra's output directory when an earlier attempt is there: that attempt's record
                 # stays its own.
                 redact_multirun_record(Path(config.hydra.sweep.dir))

@@ -51,6 +51,11 @@ LAUNCHER_PID_ENV = "EXP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def worker_command(role: str, run_dir: Path) -> list[str]:
+    """The command line of a process `exp.training.worker` runs: one rank (`worker`) or one sweep job (`job`)."""
+    return [sys.executable, "-m", "exp.training.worker", role, str(run_dir)]
+
+
 def child_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a worker or sweep job this process starts: it names this process as the child's launcher."""
     return dict(env, **{LAUNCHER_PID_ENV: str(os.getpid())})
@@ -99,7 +104,7 @@ def launch_workers(cfg: TrainConfig, run_dir: Path) -> int:
     procs = []
     for rank in range(n):
         env = dict(base, LOCAL_RANK=str(rank), RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, "-m", "exp.training.worker", "worker", str(run_dir)], env=env))
+        procs.append(subprocess.Popen(worker_command("worker", run_dir), env=env))
     status = 0
     passed_on: set[int] = set()
 
@@ -141,9 +146,7 @@ def run_job_process(run_dir: Path, env: dict[str, str] | None = None) -> int:
     handler or module global of one job can reach the next, whatever the job did (or how it died). A signal to
     this process is passed on to the job, which stops as a single run does (checkpoint, status, REQUEUE_EXIT).
     """
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exp.training.worker", "job", str(run_dir)], env=child_env(env or os.environ.copy())
-    )
+    proc = subprocess.Popen(worker_command("job", run_dir), env=child_env(env or os.environ.copy()))
 
     def pass_on(signum: int, _frame) -> None:
         GUARD.received = GUARD.received or signum  # the sweep stops once the job has

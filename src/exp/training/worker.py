@@ -1,6 +1,7 @@
 """`python -m exp.training.worker worker|job <run dir>`: the process entry of one rank of a multi-process run
 (`worker`, started by `exp.training.launch.launch_workers`) or of one sweep job (`job`, started by
-`run_job_process`). The run directory holds the resolved config (`config.yaml`) the process trains with."""
+`run_job_process`, or by the `gpus` launcher on a GPU of its choosing); `launch.worker_command` is its command line.
+The run directory holds the resolved config (`config.yaml`) the process trains with."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A study's plan before anything runs: `python -m exp.train -m ... --plan`.
 
 For every job of the sweep: whether it runs or reuses a completed attempt, its memory as its preflight will
-resolve it (exp.run.job_cost), its time per step and in all from recorded throughput; then how the launcher
-would place the jobs (exp.run.placement.simulate, the launcher's own packer) and the study's wall-clock. Nothing
+resolve it (exp.study.cost), its time per step and in all from recorded throughput; then how the launcher
+would place the jobs (exp.study.placement.simulate, the launcher's own packer) and the study's wall-clock. Nothing
 is written or started. The `gpus` launcher makes the same plan when it launches and records it in the sweep
 directory (`placements.jsonl`), where `python -m exp.report` compares it with what happened.
 
@@ -26,11 +26,11 @@ from exp.core.secrets import mask_secrets
 from exp.hardware.memory import GiB
 from exp.hardware.preflight import PREFLIGHT_EXIT, Gpu, gpu_memory, visible_gpus
 from exp.run.compose import config_dict, to_typed
-from exp.run.job_cost import DEFAULT_HEADROOM, MemoryDemand, StepRecord, TimeEstimate, estimate_time, find_records
-from exp.run.job_cost import memory_demand as job_memory
 from exp.run.overrides import config_loader
-from exp.run.placement import JobDemand, Simulation, simulate
-from exp.run.sweep import SweepConflict, earlier_result
+from exp.study.cost import DEFAULT_HEADROOM, MemoryDemand, StepRecord, TimeEstimate, estimate_time, find_records
+from exp.study.cost import memory_demand as job_memory
+from exp.study.placement import JobDemand, Simulation, simulate
+from exp.study.records import SweepConflict, earlier_result
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 GPU_LAUNCHER = "hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher"

@@ -15,12 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from exp.core.config import ConfigError, TrainConfig
 from exp.core.secrets import mask_secrets
-from exp.run.checkpoints import newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, to_typed, write_run_config
 from exp.run.dirs import claim_run_dir, read_status, release_run, write_status
 from exp.run.security import remove_secret_pickles, write_hydra_record
-from exp.run.sweep import SweepConflict, earlier_result, final_metric, record_job, restore_sweep_record
-from exp.run.sweep_launcher import submitit_pickle, watch_launcher
+from exp.study.launcher_watch import submitit_pickle, watch_launcher
+from exp.study.records import SweepConflict, earlier_result, final_metric, record_job, restore_sweep_record
 from exp.training.launch import run_job_process
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, ends_recorded
 
@@ -31,7 +30,7 @@ def sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
     """One job of a multirun: reused if it already completed with this config, else run in a fresh process.
 
     A failed job is recorded in its status.json and the sweep goes on; the sweep's exit status counts the failures
-    (exp.run.sweep.SweepStatus). Returns the final validation loss (what sweepers minimise), +inf for a failed job. A
+    (exp.study.records.SweepStatus). Returns the final validation loss (what sweepers minimise), +inf for a failed job. A
     job directory that holds another config stops the sweep (exit status 2) before anything is written.
     """
 
@@ -66,6 +65,8 @@ def _sweep_job(dcfg: DictConfig, job_dir: Path) -> float:
         rc, status = REQUEUE_EXIT, read_status(run_dir)
     if rc == REQUEUE_EXIT and status.get("status") == "preempted":
         # The signal that stopped the job stops the sweep: re-launching it reuses the completed jobs.
+        from exp.run.checkpoints import newest_checkpoint  # torch: the `gpus` launcher's process never loads it
+
         checkpoint = newest_checkpoint(run_dir, read_resume_record(run_dir))
         raise Preempted(GUARD.received or signal.SIGTERM, checkpoint=checkpoint, phase=f"sweep job {run_dir.name}")
     return sweep_job_result(run_dir, rc)

@@ -1,6 +1,10 @@
 """Signal or seed noise: the statistics `python -m exp.report` shows for a study whose configurations ran with
 several seeds.
 
+Jobs that differ only in their seed are one configuration: the study's swept keys (`swept_keys`, the override keys
+whose value differs between jobs) except the seed's name it (`config_label`), and its completed jobs are grouped
+under it (`config_groups`).
+
 Per configuration: the mean of the final metric over its seeds, the sample standard deviation (n - 1), and a 95%
 confidence interval of the mean from Student's t distribution (mean +- t(0.975, n - 1) x sd / sqrt(n)), which is
 wide for few seeds, as it should be: with 2 seeds t is 12.7.
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from scipy import stats
+
+from exp.run.overrides import SEED_KEYS
 
 ALPHA = 0.05
 CONFIDENCE = 0.95
@@ -109,3 +116,62 @@ def compare_with_best(groups: list[ConfigStats]) -> list[Comparison]:
         Comparison(g.config, raw[i], adjusted[i], adjusted[i] is not None and adjusted[i] < ALPHA)
         for i, g in enumerate(others)
     ]
+
+
+@dataclass
+class Ranked:
+    """One configuration in the study's ranking, with its verdict against the best."""
+
+    stats: ConfigStats
+    verdict: str  # "best", "differs", "within noise", or "untested" (one seed in it or in the best)
+    p_holm: float | None  # the corrected p-value of its comparison with the best; None: the best, or untested
+
+
+def rank(groups: list[ConfigStats]) -> list[Ranked]:
+    """Every configuration, best (lowest mean) first, with its verdict against the best."""
+    if not groups:
+        return []
+    best = best_of(groups)
+    verdicts = {c.config: c for c in compare_with_best(groups)}
+    ranked = []
+    for st in sorted(groups, key=lambda g: (g.mean, g.config)):
+        c = verdicts.get(st.config)
+        if st is best:
+            ranked.append(Ranked(st, "best", None))
+        elif c is None or c.p_holm is None:
+            ranked.append(Ranked(st, "untested", None))
+        else:
+            ranked.append(Ranked(st, "differs" if c.differs else "within noise", c.p_holm))
+    return ranked
+
+
+class JobResult(Protocol):
+    """What grouping needs of a job (the report's rows): its state, final metric and overrides."""
+
+    status: str
+    final: float | None
+    overrides: dict[str, str]
+
+
+Job = TypeVar("Job", bound=JobResult)
+
+
+def swept_keys(jobs: list[Job]) -> list[str]:
+    """Override keys whose value differs between jobs: the study's parameters."""
+    known = [r for r in jobs if r.overrides]
+    return sorted({k for r in known for k in r.overrides if len({x.overrides.get(k) for x in known}) > 1})
+
+
+def config_label(job: JobResult, swept: list[str]) -> str:
+    """A configuration: the swept values of a job except its seed ("-" when the seed is all that varies)."""
+    return ",".join(f"{k}={job.overrides.get(k, '')}" for k in swept if k not in SEED_KEYS) or "-"
+
+
+def config_groups(jobs: list[Job]) -> dict[str, list[Job]]:
+    """The completed jobs with a final metric, by configuration (repeats with other seeds together)."""
+    swept = swept_keys(jobs)
+    groups: dict[str, list[Job]] = {}
+    for r in jobs:
+        if r.status == "completed" and r.final is not None:
+            groups.setdefault(config_label(r, swept), []).append(r)
+    return groups

@@ -1,6 +1,6 @@
 """Which sweep job runs on which GPU, and when: the packing decisions of `hydra/launcher=gpus`, as a pure class.
 
-`Packer` is given each job's memory reservation (exp's estimate of its peak plus headroom, `exp.run.job_cost`) and
+`Packer` is given each job's memory reservation (exp's estimate of its peak plus headroom, `exp.study.cost`) and
 each GPU's memory (what was free at launch), and answers "which jobs start now, where" every time a job ends. It
 never touches a device, so the same object drives the launcher, the `--plan` simulation (`simulate`) and the tests.
 

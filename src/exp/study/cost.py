@@ -6,7 +6,7 @@ into the largest that fit the memory it may plan for, so a job's memory depends 
 sweep gets a budget of its own: its `hardware.memory_budget_gib` when the config sets one, else the estimate of
 the config resolved as if it had the whole GPU. The launcher passes that budget to the job (config.yaml), so the
 job's preflight makes the same choices within it and never plans into memory another job holds; the budget is
-a placement, like CUDA_VISIBLE_DEVICES, and stays out of the job's fingerprint (exp.run.sweep). The reservation
+a placement, like CUDA_VISIBLE_DEVICES, and stays out of the job's fingerprint (exp.study.records). The reservation
 the packer counts is the estimate plus `headroom` (a fraction of it): room for the estimator's error and the
 allocator's fragmentation, which the single-run preflight keeps as a share of the free memory.
 
@@ -35,6 +35,7 @@ from exp.hardware.memory import GiB, estimate_for_config
 from exp.hardware.preflight import Environment, Gpu, check
 from exp.run.compose import config_dict, load_run_config
 from exp.run.dirs import RunLayout, read_status
+from exp.study.journal import launcher_seconds
 
 # The reservation's margin over the estimate. The estimator's allocated peak was within +0.6% of the H200
 # measurements (docs/bench.md); the caching allocator's fragmentation with several processes on one GPU has not
@@ -212,7 +213,7 @@ def run_record(run: Path) -> StepRecord | None:
     tokens = int(cfg.trainer.global_batch_size) * int(cfg.data.max_seq_len)
     # The summary's seconds start inside the job; the launcher's measure (placements.jsonl beside the job) also
     # holds the process's start (interpreter, imports), which a study pays per job too.
-    seconds = _launcher_seconds(run) or float(summary["seconds"])
+    seconds = launcher_seconds(run) or float(summary["seconds"])
     overhead = max(0.0, seconds - step_s * int(summary["steps"]))
     peak = shape = None
     if device != "cpu" and summary.get("peak_memory_gib"):
@@ -222,22 +223,6 @@ def run_record(run: Path) -> StepRecord | None:
         except (OSError, ValueError, OmegaConfBaseException, ConfigError):  # an older schema: no shape to match
             pass
     return StepRecord(str(run), str(cfg.model.name), device, tokens, float(step_s), overhead, peak, shape)
-
-
-def _launcher_seconds(run: Path) -> float | None:
-    """The job's wall-clock as the `gpus` launcher measured it (its last `end` line), None without one."""
-    path = run.parent / "placements.jsonl"
-    if not path.is_file():
-        return None
-    seconds = None
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "end" and event.get("job") == run.name and event.get("status") == "completed":
-            seconds = event.get("seconds")
-    return float(seconds) if seconds else None
 
 
 def bench_records(folder: Path = BENCH_RESULTS) -> list[StepRecord]:
