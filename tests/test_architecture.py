@@ -1,26 +1,33 @@
 """The package's layers, checked from the source: every import of an `exp` module points down (or sideways within a
-layer), no import circle, and an import inside a function says why on its line or the one above.
+layer), no import circle, and an import inside a function says why on its line or the one above. Hydra's plugins
+(`src/hydra_plugins/`) sit above the user commands. docs/architecture.md names every module, in its package's row
+of the layer picture, and the layers' numbers agree between this file, the doc and each package's docstring.
 
 Layers, bottom to top (docs/architecture.md): core, data, model, hardware, run, training, study, then the user commands
 at the top of `exp` (train, evaluate, generate, merge, preview, doctor, report, bench)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "exp"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "exp"
+PLUGINS = ROOT / "src" / "hydra_plugins"  # Hydra's plugins: above the user commands, nothing in exp imports them
 LAYERS = ["core", "data", "model", "hardware", "run", "training", "study"]
 COMMANDS = {"train", "evaluate", "generate", "merge", "preview", "doctor", "report", "bench"}
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for path in SRC.rglob("*.py"):
-        parts = path.relative_to(SRC).with_suffix("").parts
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(("exp", *parts))] = path
+    for top, name in ((SRC, "exp"), (PLUGINS, "hydra_plugins")):
+        for path in top.rglob("*.py"):
+            parts = path.relative_to(top).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((name, *parts))] = path
     return found
 
 
@@ -28,6 +35,8 @@ MODULES = _modules()
 
 
 def _layer(module: str) -> int:
+    if module.split(".")[0] == "hydra_plugins":
+        return len(LAYERS) + 1
     parts = module.split(".")
     if len(parts) > 2 and parts[1] in LAYERS:
         return LAYERS.index(parts[1])
@@ -46,16 +55,20 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
     found = []
     for node in ast.walk(tree):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "exp":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("exp", "hydra_plugins"):
             names = [node.module]
             # `from exp.run import dirs` names a module too
             names += [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES]
         elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names if a.name.split(".")[0] == "exp"]
+            names = [a.name for a in node.names if a.name.split(".")[0] in ("exp", "hydra_plugins")]
         for name in names:
             while name not in MODULES and "." in name:
                 name = name.rsplit(".", 1)[0]
-            if name in MODULES and not name.endswith(tuple(f".{layer}" for layer in LAYERS)) and name != "exp":
+            if (
+                name in MODULES
+                and not name.endswith(tuple(f".{layer}" for layer in LAYERS))
+                and name not in ("exp", "hydra_plugins")
+            ):
                 found.append((name, node.lineno, id(node) in inner_nodes))
     return found
 
@@ -64,7 +77,11 @@ GRAPH = {m: _imports(p) for m, p in MODULES.items()}
 
 
 def test_every_module_sits_in_a_layer_or_is_a_command():
-    stray = [m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in COMMANDS | set(LAYERS)]
+    stray = [
+        m
+        for m in MODULES
+        if m.startswith("exp.") and m.count(".") == 1 and m.split(".")[1] not in COMMANDS | set(LAYERS)
+    ]
     assert not stray, f"modules at the top of exp that are not user commands: {stray}"
 
 
@@ -96,6 +113,64 @@ def test_no_import_circle():
         if m not in state:
             visit(m, [m])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def _picture_rows() -> dict[str, set[str]]:
+    """The words of each row of docs/architecture.md's layer picture, by the row's name (a layer, after its number,
+    or "user commands"): a row begins at a line whose first words name it and runs to the next rule line."""
+    picture = ARCHITECTURE_DOC.read_text().split("```")[1]
+    names = [*LAYERS, "user commands"]
+    rows: dict[str, set[str]] = {}
+    current = None
+    for line in picture.splitlines():
+        if line.strip().startswith("─"):
+            current = None
+            continue
+        head = line[:18].strip().lstrip("0123456789 ")
+        if head in names:
+            current = head
+        if current is not None:
+            rows.setdefault(current, set()).update(re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", line[18:]))
+    return rows
+
+
+def test_the_architecture_doc_names_every_module():
+    rows = _picture_rows()
+    missing = []
+    for m in MODULES:
+        parts = m.split(".")
+        if parts[0] == "hydra_plugins":
+            named = m in ARCHITECTURE_DOC.read_text() or len(parts) < 3  # named beside the picture
+        elif len(parts) == 1 or (len(parts) == 2 and parts[1] in LAYERS):
+            named = True  # a package: its row is the layer
+        elif len(parts) == 2 or parts[1] not in LAYERS:
+            named = f"exp.{parts[1]}" in rows.get("user commands", set()) and (
+                len(parts) == 2 or parts[-1] in rows.get("user commands", set()) | {"__main__"}
+            )
+        else:
+            named = parts[-1] in rows.get(parts[1], set())
+        if not named:
+            missing.append(m)
+    assert not missing, f"modules docs/architecture.md's layer picture does not name: {missing}"
+
+
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def test_the_layers_numbers_agree():
+    """Each layer package's docstring starts with its index in LAYERS ("Layer 0" is core), the picture's rows carry
+    the same numbers, and the doc counts the layers."""
+    wrong = []
+    for index, layer in enumerate(LAYERS):
+        doc = ast.get_docstring(ast.parse((SRC / layer / "__init__.py").read_text())) or ""
+        if not doc.startswith(f"Layer {index},"):
+            wrong.append(f"exp.{layer}: {doc[:20]!r} (expected 'Layer {index},')")
+    assert not wrong, "layer numbers that disagree with LAYERS:\n" + "\n".join(wrong)
+    text = ARCHITECTURE_DOC.read_text()
+    picture = text.split("```")[1]
+    numbered = dict(re.findall(r"^ ?(\d+) (\w+)", picture, flags=re.M))
+    assert numbered == {str(i): layer for i, layer in enumerate(LAYERS)}
+    assert f"is {NUMBER_WORDS[len(LAYERS)]} layer packages" in text
 
 
 def _says_why(lines: list[str], line: int) -> bool:
