@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from exp.core.config import Strategy
+from exp.core.strategies import Strategy
 from exp.run.checkpoints import read_checkpoint
 from exp.run.compose import compose_config
 from exp.training.launch import end_rank

@@ -203,6 +203,7 @@ def test_imports_inside_functions_say_why():
     "module",
     [
         "exp.core.config",
+        "exp.core.strategies",
         "exp.core.cli",
         "exp.hardware.memory",
         "exp.hardware.preflight",

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, Together, compose_typed, encode
 
-from exp.core.config import ConfigError, LossImpl, Strategy
+from exp.core.config import ConfigError, LossImpl
 from exp.core.constants import IGNORE_INDEX
+from exp.core.strategies import Strategy
 from exp.data.datamodule import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer

@@ -13,7 +13,8 @@ import platform
 import sys
 
 from exp.core.cli import Parsed, Tool, run_tool
-from exp.core.config import Accelerator, QuantType, Strategy
+from exp.core.config import Accelerator, QuantType
+from exp.core.strategies import strategy_traits
 from exp.hardware.memory import estimate_for_config
 from exp.hardware.preflight import PREFLIGHT_EXIT, check, probe_environment
 from exp.run.compose import compose_config
@@ -79,7 +80,7 @@ def _doctor(args: Parsed) -> int:
     )
     for note in result.notes:
         print(f"note: {note}")
-    shards = hw.devices if hw.strategy == Strategy.fsdp else 1
+    shards = strategy_traits(hw.strategy).weight_shards(hw.devices)
     estimate = estimate_for_config(result.cfg, num_shards=shards)
     print(f"\n== memory estimate per {'GPU' if hw.accelerator == Accelerator.gpu else 'device'} ==")
     print(estimate.as_table())

@@ -20,6 +20,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from exp.core.secrets import SECRET_NAME
+from exp.core.strategies import Strategy, StrategyTraits, strategy_traits
 
 
 class ConfigError(ValueError):
@@ -43,14 +44,6 @@ class Accelerator(str, Enum):
     cpu = "cpu"
     gpu = "gpu"
     auto = "auto"  # resolved by the preflight from what the machine has
-
-
-class Strategy(str, Enum):
-    single_device = "single_device"  # one process, one device
-    ddp = "ddp"  # one process and one full (4-bit) replica per device, gradients all-reduced
-    fsdp = "fsdp"  # one process per device, weights sharded (4-bit storage in the compute dtype so it can shard)
-    model_parallel = "model_parallel"  # one process, layers spread over all its devices (model larger than one GPU)
-    auto = "auto"  # resolved by the preflight: the best of the above for the machine and the model
 
 
 # Lightning precision strings (kept as strings: OmegaConf matches enums by member name, and these names hold
@@ -401,9 +394,15 @@ class TrainConfig:
 
 
 def data_parallel_size(hw: HardwareConfig) -> int:
-    if hw.strategy in (Strategy.ddp, Strategy.fsdp):
+    if (traits := _resolved_traits(hw)) is not None and traits.data_parallel:
         return max(hw.devices, 1) * hw.num_nodes
     return hw.num_nodes
+
+
+def _resolved_traits(hw: HardwareConfig) -> StrategyTraits | None:
+    """What the strategy means; None while it is `auto`, which the checks here skip: the preflight resolves it and
+    then runs them again (`config_problems`)."""
+    return None if hw.strategy == Strategy.auto else strategy_traits(hw.strategy)
 
 
 def _validate(cfg: TrainConfig) -> list[str]:
@@ -454,14 +453,15 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: devices must be >= 1 (or -1 for "
             "every visible device) and num_nodes >= 1"
         )
-    if hw.strategy == Strategy.single_device and hw.devices not in (1, -1):
+    traits = _resolved_traits(hw)
+    if traits is not None and not traits.uses_several_devices and hw.devices not in (1, -1):
         p.append(
-            f"hardware.devices={hw.devices} with hardware.strategy=single_device: one process uses one device; for "
-            "several use hardware=ddp (a replica per GPU), hardware=fsdp (sharded) or hardware=model_parallel"
+            f"hardware.devices={hw.devices} with hardware.strategy={hw.strategy.value}: one process uses one device; "
+            "for several use hardware=ddp (a replica per GPU), hardware=fsdp (sharded) or hardware=model_parallel"
         )
-    if hw.strategy == Strategy.model_parallel and hw.num_nodes != 1:
-        p.append("hardware.strategy=model_parallel spans the GPUs of one machine: set hardware.num_nodes=1")
-    if hw.accelerator == Accelerator.cpu and hw.strategy in (Strategy.fsdp, Strategy.model_parallel):
+    if traits is not None and traits.spans_devices_in_one_process and hw.num_nodes != 1:
+        p.append(f"hardware.strategy={hw.strategy.value} spans the GPUs of one machine: set hardware.num_nodes=1")
+    if hw.accelerator == Accelerator.cpu and traits is not None and not traits.runs_on_cpu:
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
         p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
@@ -507,11 +507,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
         )
     if hw.accelerator == Accelerator.cpu and q.quant_type == QuantType.int8:
         p.append("quantization=int8 needs a GPU (bitsandbytes' 8-bit matmul has no CPU kernel here): use nf4 or fp4")
-    if hw.strategy == Strategy.fsdp and q.quant_type == QuantType.int8:
+    if traits is not None and traits.sharded and q.quant_type == QuantType.int8:
         p.append(
-            "quantization=int8 with hardware.strategy=fsdp: FSDP shards only floating-point tensors, and 8-bit weights "
-            "cannot be stored as floats (4-bit ones can: bnb_4bit_quant_storage). Use quantization=nf4 with "
-            "hardware=fsdp (FSDP-QLoRA), or keep int8 with hardware=ddp"
+            f"quantization=int8 with hardware.strategy={hw.strategy.value}: FSDP shards only floating-point "
+            "tensors, and 8-bit weights cannot be stored as floats (4-bit ones can: bnb_4bit_quant_storage). Use "
+            "quantization=nf4 with hardware=fsdp (FSDP-QLoRA), or keep int8 with hardware=ddp"
         )
     if hw.offload_checkpoints and not (hw.gradient_checkpointing and hw.checkpoint_layers is None):
         p.append(
@@ -525,10 +525,10 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"hardware.dequantized_layers={hw.dequantized_layers} with quantization={q.quant_type.value}: only 4-bit "
             "weights are kept dequantized; use hardware.dequantized_layers=0"
         )
-    if hw.dequantized_layers and hw.strategy == Strategy.fsdp:
+    if hw.dequantized_layers and traits is not None and not traits.whole_weights_on_each_rank:
         p.append(
-            f"hardware.dequantized_layers={hw.dequantized_layers} with hardware.strategy=fsdp: FSDP gathers each "
-            "layer's 4-bit shards for its use and frees them, so no full dequantized copy can stay; use "
+            f"hardware.dequantized_layers={hw.dequantized_layers} with hardware.strategy={hw.strategy.value}: FSDP "
+            "gathers each layer's 4-bit shards for its use and frees them, so no full dequantized copy can stay; use "
             "hardware.dequantized_layers=0"
         )
     p += batch_problems(hw, t)
@@ -727,7 +727,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
 def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
-    if hw.devices == -1 and hw.strategy in (Strategy.ddp, Strategy.fsdp, Strategy.auto):
+    if hw.devices == -1 and ((traits := _resolved_traits(hw)) is None or traits.data_parallel):
         return []
     replicas = data_parallel_size(hw)
     per_step = hw.micro_batch_size * replicas

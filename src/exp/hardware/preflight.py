@@ -24,12 +24,12 @@ from exp.core.config import (
     LossImpl,
     ModelFamily,
     QuantType,
-    Strategy,
     TrainConfig,
     batch_problems,
     config_problems,
 )
 from exp.core.constants import CONF_DIR, LAUNCH_ID_ENV
+from exp.core.strategies import Strategy, strategy_traits
 from exp.hardware.memory import (
     GiB,
     config_arch,
@@ -445,7 +445,9 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     # Devices: resolve -1, then compare with what is visible.
     if on_gpu and env.gpus:
         if hw.devices == -1:
-            hw.devices = visible if hw.strategy != Strategy.single_device else 1
+            # auto may choose a strategy of several GPUs: it takes every visible one until it has chosen
+            several = hw.strategy == Strategy.auto or strategy_traits(hw.strategy).uses_several_devices
+            hw.devices = visible if several else 1
         if hw.devices > visible:
             findings.append(
                 Finding(
@@ -465,7 +467,9 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     _resolve_padding_free_attention(cfg, env, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
         _resolve_strategy_and_precision(cfg, env, findings, notes, memory_check)
-    elif hw.strategy == Strategy.auto:
+    if hw.strategy == Strategy.auto:
+        # No GPU to choose among, or a problem found before the choice: one process. Everything after the
+        # preflight asks what the strategy means (exp.core.strategies), which `auto` does not say.
         hw.strategy = Strategy.single_device
     if hw.precision == "auto":
         hw.precision = "32-true" if not on_gpu else "bf16-mixed"
@@ -609,7 +613,9 @@ def _resolve_strategy_and_precision(
     cfg: TrainConfig, env: Environment, findings: list[Finding], notes: list[str], memory_check: bool
 ) -> None:
     hw = cfg.hardware
-    used = env.gpus[: hw.devices] if hw.strategy != Strategy.model_parallel else env.gpus
+    # auto chooses among strategies of one GPU per process; model parallelism's one process uses them all.
+    spans = hw.strategy != Strategy.auto and strategy_traits(hw.strategy).spans_devices_in_one_process
+    used = env.gpus if spans else env.gpus[: hw.devices]
     min_cc = min(g.capability for g in used)
     if hw.precision in ("auto", "bf16-mixed") and min_cc < (8, 0):
         # Ampere (8.0) is the first with bf16 tensor cores; torch.cuda.is_bf16_supported() can say yes regardless.
@@ -647,19 +653,19 @@ def _resolve_strategy_and_precision(
     budget = _memory_budget(hw, [g.free_bytes for g in used])
     free = budget.allowed
     if hw.strategy == Strategy.auto:
+        # A whole replica on each GPU (one GPU, or DDP) where it fits, else FSDP's shards. The replica is estimated
+        # with the strategy that holds it, since the estimate asks what the strategy means.
+        hw.strategy = Strategy.single_device if hw.devices == 1 else Strategy.ddp
         replica = estimate_for_config(cfg).total
-        if hw.devices == 1:
-            hw.strategy = Strategy.single_device
-        elif replica <= free:
-            hw.strategy = Strategy.ddp
-        else:
+        if hw.strategy == Strategy.ddp and replica > free:
             hw.strategy = Strategy.fsdp
         notes.append(
             f"hardware=auto: {len(env.gpus)} x {env.gpus[0].name}, estimated {replica / 2**30:.1f} GiB per replica "
             f"-> strategy={hw.strategy.value}, devices={hw.devices}, precision={hw.precision}"
         )
-    shards = hw.devices if hw.strategy == Strategy.fsdp else 1
-    if hw.strategy == Strategy.model_parallel:
+    strategy = strategy_traits(hw.strategy)
+    shards = strategy.weight_shards(hw.devices)
+    if strategy.spans_devices_in_one_process:
         budget = _memory_budget(hw, [sum(g.free_bytes for g in used)], len(used))  # spread over all of them
         free = budget.allowed
     # offload_checkpoints keeps every layer recomputed (its whole point is the memory of their inputs).
@@ -827,13 +833,14 @@ def _fit_checkpointing(cfg: TrainConfig, budget: _Budget, shards: int, notes: li
 
 def _fit_dequantized(cfg: TrainConfig, budget: _Budget, shards: int, notes: list[str]) -> None:
     """hardware.auto_dequantized_layers: keep as many layers' 4-bit weights dequantized as the budget has room for
-    once the micro-batch and the recomputed layers are chosen (so it never costs a recomputed layer). Single device
-    and DDP only: FSDP holds no whole layer (the config check refuses an explicit count there)."""
+    once the micro-batch and the recomputed layers are chosen (so it never costs a recomputed layer). Only where each
+    device holds the whole model (single device, DDP): FSDP holds no whole layer (the config check refuses an
+    explicit count there), and model parallelism's budget is the sum over its GPUs."""
 
     hw = cfg.hardware
-    if cfg.quantization.quant_type not in (QuantType.nf4, QuantType.fp4) or shards > 1:
+    if cfg.quantization.quant_type not in (QuantType.nf4, QuantType.fp4):
         return
-    if hw.strategy not in (Strategy.single_device, Strategy.ddp):
+    if not strategy_traits(hw.strategy).whole_model_on_each_device:
         return
     k = most_dequantized_layers(cfg, budget.planned, num_shards=shards)
     if k == 0:

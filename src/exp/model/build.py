@@ -18,10 +18,10 @@ from exp.core.config import (
     ModelFamily,
     QuantizationConfig,
     QuantType,
-    Strategy,
     TrainConfig,
     model_path_problem,
 )
+from exp.core.strategies import strategy_traits
 from exp.model import varlen
 from exp.model.compile_cache import use_compile_cache
 
@@ -112,11 +112,12 @@ def load_base_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
 
     dtype = compute_dtype(cfg.hardware.precision)
     source = resolve_checkpoint(cfg.model)
-    strategy = cfg.hardware.strategy
+    strategy = strategy_traits(cfg.hardware.strategy)
     # Map the whole model ("") to the strategy's device: the key is the module prefix, the value the device (the
     # widely copied {0: ""} has them swapped). Model parallelism instead spreads the layers over every visible GPU.
-    device_map = layer_device_map(source, cfg) if strategy == Strategy.model_parallel else {"": device}
-    storage = dtype if strategy == Strategy.fsdp else None
+    device_map = layer_device_map(source, cfg) if strategy.spans_devices_in_one_process else {"": device}
+    # Sharding splits only floating-point tensors: the packed 4-bit bytes are stored in the compute dtype.
+    storage = dtype if strategy.sharded else None
     if cfg.model.attn_implementation == varlen.NAME:
         varlen.register()
     try:
@@ -267,7 +268,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
             decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora
         )
         log.info("kept dequantized weights: %d decoder layers, %.2f GiB", cfg.hardware.dequantized_layers, kept / 2**30)
-    if cfg.hardware.strategy == Strategy.fsdp:
+    if strategy_traits(cfg.hardware.strategy).sharded:
         # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
         # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
         dtype = compute_dtype(cfg.hardware.precision)

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exp.core.config import LossImpl, Strategy, TrainConfig
+from exp.core.config import LossImpl, TrainConfig
 from exp.core.constants import CHUNK_LOGIT_BYTES, IGNORE_INDEX
+from exp.core.strategies import strategy_traits
 from exp.model.loss_plan import LossChoice, liger_chunks, plan_loss_impl
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,9 @@ def resolve_loss_impl(cfg: TrainConfig, model: nn.Module, device: torch.device) 
     that is not a plain Linear) or liger-kernel cannot run in this process; each fallback says why."""
     wanted = cfg.hardware.loss_impl
     # The loaded head first: the plan knows a trained head only by the config's markers, the model says what it is.
-    if wanted != LossImpl.hf and cfg.hardware.strategy != Strategy.fsdp and (problem := _head_problem(model)):
+    # Without the whole weights on this rank (FSDP) the plan keeps transformers' loss, whatever the head is.
+    whole = strategy_traits(cfg.hardware.strategy).whole_weights_on_each_rank
+    if wanted != LossImpl.hf and whole and (problem := _head_problem(model)):
         return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} needs a plain head: {problem}")
     choice = plan_loss_impl(cfg, on_cuda=device.type == "cuda")
     if choice.impl == LossImpl.liger and (missing := liger_available()) is not None:

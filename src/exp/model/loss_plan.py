@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from exp.core.config import LossImpl, Strategy, TrainConfig
+from exp.core.config import LossImpl, TrainConfig
+from exp.core.strategies import strategy_traits
 
 # liger's fused loss computes the head's logits and their gradient one chunk of tokens at a time, reading the whole
 # [vocab, hidden] head weight twice per chunk. By default it cuts ceil(vocab / hidden) chunks whatever the number of
@@ -55,7 +56,7 @@ def plan_loss_impl(cfg: TrainConfig, on_cuda: bool) -> LossChoice:
     wanted = hw.loss_impl
     if wanted == LossImpl.hf:
         return LossChoice(LossImpl.hf, "hardware.loss_impl=hf")
-    if hw.strategy == Strategy.fsdp:
+    if not strategy_traits(hw.strategy).whole_weights_on_each_rank:
         # The head's weight lives in FSDP's root unit; using it outside the head's forward is not tested.
         return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} is not used with FSDP (not verified)")
     if "lm_head" in lora.target_modules or "lm_head" in lora.modules_to_save:

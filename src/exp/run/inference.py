@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from exp.core.cli import VERBOSE_HELP, Key, Parsed, Tool, parse, run_tool
-from exp.core.config import Accelerator, ConfigError, QuantizationConfig, QuantType, Strategy, TrainConfig
+from exp.core.config import Accelerator, ConfigError, QuantizationConfig, QuantType, TrainConfig
+from exp.core.strategies import Strategy
 from exp.model.build import load_base_model, quiet_third_party_logs
 from exp.run.checkpoints import load_checkpoint_file
 from exp.run.compose import load_run_config

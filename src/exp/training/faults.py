@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from exp.core.config import Strategy, TrainConfig
+from exp.core.config import TrainConfig
+from exp.core.strategies import strategy_traits
 from exp.hardware.memory import estimate_for_config, suggest_micro_batch
 
 
@@ -24,7 +25,8 @@ def oom_diagnosis(cfg: TrainConfig, device: torch.device, step: int) -> OutOfMem
     """What ran out, what the estimator expected, and concrete changes that fit (smallest change first)."""
 
     hw, d = cfg.hardware, cfg.data
-    shards = hw.devices if hw.strategy == Strategy.fsdp else 1
+    strategy = strategy_traits(hw.strategy)
+    shards = strategy.weight_shards(hw.devices)
     estimate = estimate_for_config(cfg, num_shards=shards)
     lines = [f"CUDA out of memory at step {step} on {device}."]
     if device.type == "cuda":
@@ -56,7 +58,7 @@ def oom_diagnosis(cfg: TrainConfig, device: torch.device, step: int) -> OutOfMem
             "value is kept by the preflight)"
         )
     fixes.append(f"a shorter data.max_seq_len (now {d.max_seq_len}; activations and logits grow with it)")
-    if hw.strategy == Strategy.ddp:
+    if strategy.data_parallel and strategy.whole_weights_on_each_rank:  # a whole replica per GPU, several GPUs
         fixes.append("hardware=fsdp (shard the 4-bit weights instead of a full replica per GPU)")
     lines.append("Fix, any of: " + "; ".join(fixes) + ". `python -m exp.doctor <same overrides>` checks a config.")
     return OutOfMemory("\n".join(lines))

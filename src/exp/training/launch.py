@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from exp.core.config import Accelerator, Strategy, TrainConfig
+from exp.core.config import Accelerator, TrainConfig
+from exp.core.strategies import strategy_traits
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted, taken_signals
 
 
@@ -43,7 +44,7 @@ def externally_launched() -> bool:
 
 def needs_launch(cfg: TrainConfig) -> bool:
     hw = cfg.hardware
-    return hw.strategy in (Strategy.ddp, Strategy.fsdp) and hw.devices * hw.num_nodes > 1 and not externally_launched()
+    return strategy_traits(hw.strategy).spawns_workers and hw.devices * hw.num_nodes > 1 and not externally_launched()
 
 
 # Set by a process that starts workers or sweep jobs (`child_env`): its pid, which the child checks at start.

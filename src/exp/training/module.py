@@ -15,8 +15,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, Strategy, TrainConfig, TrainerConfig
+from exp.core.config import LossImpl, NonFinite, Optimizer, Schedule, TrainConfig, TrainerConfig
 from exp.core.constants import IGNORE_INDEX
+from exp.core.strategies import strategy_traits
 from exp.model.build import build_model
 from exp.model.compile_cache import compile_summary
 from exp.model.loss import causal_lm_loss, resolve_loss_impl
@@ -474,7 +475,7 @@ class QLoRAModule(L.LightningModule):
         Returns the per-rank fingerprints (sum and sum of squares of the adapter weights); None with one process or
         with FSDP (which holds one sharded copy). A mismatch means the ranks trained different models.
         """
-        if self.trainer.world_size == 1 or self.cfg.hardware.strategy == Strategy.fsdp:
+        if self.trainer.world_size == 1 or not strategy_traits(self.cfg.hardware.strategy).whole_weights_on_each_rank:
             return None
         weights = [p.detach().double().flatten() for p in self.model.parameters() if p.requires_grad]
         flat = torch.cat(weights)
@@ -487,7 +488,7 @@ class QLoRAModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
     ) -> None:
-        if gradient_clip_val and self.cfg.hardware.strategy == Strategy.fsdp:
+        if gradient_clip_val and strategy_traits(self.cfg.hardware.strategy).sharded:
             # Lightning's FSDP precision plugin refuses norm clipping; FSDP's own method computes the norm over
             # all shards (a per-shard norm would clip each rank differently).
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)

@@ -18,8 +18,9 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from exp.core.config import ConfigError, LoggerKind, Strategy, TrainConfig
+from exp.core.config import ConfigError, LoggerKind, TrainConfig
 from exp.core.secrets import mask_secrets
+from exp.core.strategies import strategy_traits
 from exp.data.datamodule import build_run_datamodule
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
 from exp.model.build import build_tokenizer, quiet_third_party_logs
@@ -185,7 +186,7 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
     gathering it first. Written into a temporary directory renamed into place: `adapter/` is whole or absent."""
 
     tmp = adapter_dir.with_name(f".{adapter_dir.name}.{os.getpid()}.partial")
-    if module.cfg.hardware.strategy == Strategy.fsdp:
+    if strategy_traits(module.cfg.hardware.strategy).gathers_to_save:
         full = gather_trainable(trainer.strategy.model, module)
         if trainer.is_global_zero:
             save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)

@@ -19,8 +19,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from exp.core.config import DataFormat, Strategy, TrainConfig
+from exp.core.config import DataFormat, TrainConfig
 from exp.core.constants import IGNORE_INDEX
+from exp.core.strategies import strategy_traits
 from exp.data.formats import format_prompt
 from exp.model.build import build_tokenizer
 from exp.run.dirs import RunLayout
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 
 def build_sample_callbacks(cfg: TrainConfig, output_dir: Path) -> list[L.Callback]:
-    """The sampling callback, or none when sampling is off or cannot run (FSDP: no rank holds whole weights)."""
+    """The sampling callback, or none when sampling is off or cannot run (no rank holds whole weights, as in FSDP)."""
     t = cfg.trainer
-    if not (t.sample_prompts or t.sample_count) or cfg.hardware.strategy == Strategy.fsdp:
+    generates = strategy_traits(cfg.hardware.strategy).whole_weights_on_each_rank  # generate() reads every weight
+    if not (t.sample_prompts or t.sample_count) or not generates:
         return []
     return [SampleGenerations(cfg, RunLayout(output_dir).samples)]
 

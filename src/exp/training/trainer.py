@@ -8,7 +8,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.plugins.precision import Precision
 
-from exp.core.config import Accelerator, Strategy, TrainConfig
+from exp.core.config import Accelerator, TrainConfig
+from exp.core.strategies import Strategy, strategy_traits
 from exp.model.build import compute_dtype, decoder_layer_class
 from exp.run.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.run.logs import StepProgressBar
@@ -43,7 +44,9 @@ def build_strategy(cfg: TrainConfig):
         )
     if hw.strategy == Strategy.model_parallel:
         return _ModelParallelSingleProcess()
-    return "auto"
+    if hw.strategy == Strategy.single_device:
+        return "auto"  # one device: Lightning's own single-device strategy
+    raise ValueError(f"hardware.strategy={hw.strategy.value} has no Lightning strategy here (build_strategy)")
 
 
 def _ModelParallelSingleProcess():
@@ -100,7 +103,7 @@ def build_trainer(
     return L.Trainer(
         accelerator=hw.accelerator.value,
         # A model-parallel run is one process (the model spans its GPUs): Lightning drives one device.
-        devices=1 if hw.strategy == Strategy.model_parallel else hw.devices,
+        devices=1 if strategy_traits(hw.strategy).spans_devices_in_one_process else hw.devices,
         strategy=build_strategy(cfg),
         num_nodes=hw.num_nodes,
         # Lightning refuses a precision flag next to a precision plugin: the plugin, where there is one, decides.
