@@ -17,7 +17,7 @@ from conftest import ROOT, Together, compose_typed, encode
 
 from exp.core.config import ConfigError, LossImpl, Strategy
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate
+from exp.data.batching import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer
 from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl

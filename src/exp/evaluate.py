@@ -29,7 +29,9 @@ from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl
-from exp.data.datamodule import Encoded, all_examples, build_splits, collate, validation_source
+from exp.data.batching import collate
+from exp.data.encoding import Encoded
+from exp.data.splits import all_examples, build_splits, validation_source
 from exp.model.loss import resolve_loss_impl
 from exp.model.metrics import batch_response_metrics
 from exp.run.dirs import RunLayout, write_json

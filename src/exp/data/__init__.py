@@ -1,2 +1,2 @@
-"""Layer 2, the data: sources and files, per-format rendering, tokenisation, splits, packing, the DataModule. Reads
-`exp.core` and the tokenizer builder of `exp.model`."""
+"""Layer 1, the data: sources and files, per-format rendering, encoding and its cache, splits, batching (padded,
+packed, padding-free), the DataModule. Reads `exp.core` only."""
