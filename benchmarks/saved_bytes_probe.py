@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import compose_typed, encode  # noqa: E402  (the tests' own composition and encoding)
 
-from exp.data.datamodule import collate  # noqa: E402
+from exp.data.batching import collate  # noqa: E402
 from exp.data.synthetic import generate_examples  # noqa: E402
 from exp.hardware import memory  # noqa: E402
 from exp.hardware.preflight import Environment, check  # noqa: E402

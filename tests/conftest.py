@@ -133,7 +133,7 @@ def encode(tokenizer, row: dict[str, str], max_seq_len: int = 128, train_on_prom
     for `data.format` (`render_row`), then tokenised with its loss mask (`encode_rendered`). (Encoded, truncated);
     (None, True) when truncation leaves no response token."""
     from exp.core.config import DataConfig, DataFormat
-    from exp.data.datamodule import encode_rendered
+    from exp.data.encoding import encode_rendered
     from exp.data.formats import render_row
 
     cfg = DataConfig(format=DataFormat.alpaca, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt)

@@ -18,11 +18,17 @@ from conftest import ROOT, Together, compose_typed, encode
 from exp.core.config import ConfigError, LossImpl
 from exp.core.constants import IGNORE_INDEX
 from exp.core.strategies import Strategy
-from exp.data.datamodule import collate
+from exp.data.batching import collate
 from exp.data.synthetic import generate_examples
 from exp.model.build import build_model, build_tokenizer
 from exp.model.loss import causal_lm_loss, chunked_linear_cross_entropy, resolve_loss_impl
-from exp.model.metrics import batch_response_metrics, chunked_response_metrics, response_metrics
+from exp.model.metrics import (
+    add_sums,
+    batch_response_metrics,
+    chunked_response_metrics,
+    response_metrics,
+    validation_rates,
+)
 from exp.training.module import build_optimizer
 
 SMOKE = ["model=gemma_tiny", "seq=64", "micro_batch=2", "steps=5", "warmup=2"]
@@ -278,6 +284,34 @@ def test_chunked_metrics_match_the_full_logits_metrics(softcap):
     z, t = logits[:2, 2:-1], labels[:2, 3:]
     by_hand = (torch.logsumexp(z, -1) - z.gather(2, t[..., None]).squeeze(2)).sum()
     assert full["loss_sum"].item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_validation_rates_weight_every_token_and_example_of_the_split():
+    """Batches of any size, summed with `add_sums`, give the whole split's means (a batch's mean would weight a
+    short batch's tokens more): the rates training logs as val/* and exp.evaluate reports."""
+    torch.manual_seed(0)
+    b, t, v = 5, 7, 11
+    logits = torch.randn(b, t, v)
+    labels = torch.randint(0, v, (b, t))
+    labels[:, :2] = IGNORE_INDEX  # prompts
+    labels[1, 4:] = IGNORE_INDEX  # a shorter answer
+    labels[0, 2:] = logits[0, 1:-1].argmax(-1)  # row 0 answered exactly (teacher-forced)
+    sums: dict[str, torch.Tensor] = {}
+    for rows in (slice(0, 1), slice(1, b)):
+        n = rows.stop - rows.start
+        add_sums(sums, response_metrics(logits[rows], labels[rows], torch.arange(n).repeat_interleave(t)))
+    whole = response_metrics(logits, labels, torch.arange(b).repeat_interleave(t))
+    tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    rates = validation_rates(sums)
+    assert rates == pytest.approx(
+        {
+            "loss": float(whole["loss_sum"]) / tokens,
+            "token_accuracy": int(whole["hits"]) / tokens,
+            "exact_match": int(whole["exact"]) / b,
+        },
+        rel=1e-6,
+    )
+    assert int(whole["exact"]) >= 1 and all(v.dtype == torch.float64 for v in sums.values())
 
 
 class _LargestLogits(torch.utils._python_dispatch.TorchDispatchMode):

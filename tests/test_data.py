@@ -10,7 +10,9 @@ from conftest import SHARED_DATA, SHORT, compose_typed, encode
 
 from exp.core.config import ConfigError
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import InstructionDataModule, all_examples, format_prompt
+from exp.data.datamodule import InstructionDataModule
+from exp.data.formats import format_prompt
+from exp.data.splits import all_examples
 from exp.model.build import build_tokenizer
 
 ROW = {"instruction": "Repeat the words exactly.", "input": "red fox", "output": "red fox"}
@@ -172,12 +174,12 @@ def test_hub_dataset_neither_cached_nor_reachable(monkeypatch, tokenizer):
 
 
 def test_second_build_reads_the_tokenisation_cache(tmp_path, monkeypatch, tokenizer):
-    import exp.data.datamodule
+    import exp.data.encoding
 
     monkeypatch.setenv("EXP_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = exp.data.datamodule.render_row
-    monkeypatch.setattr(exp.data.datamodule, "render_row", lambda *a: calls.append(1) or real(*a))
+    real = exp.data.encoding.render_row
+    monkeypatch.setattr(exp.data.encoding, "render_row", lambda *a: calls.append(1) or real(*a))
     path = write_jsonl(tmp_path / "d.jsonl", ALPACA)
     first = datamodule(tokenizer, "data=alpaca", f"data.path={path}")
     assert len(calls) == 30

@@ -16,9 +16,9 @@ import pytest
 from conftest import compose_typed
 
 from exp.core.config import ConfigError
-from exp.data.datamodule import all_examples
 from exp.data.files import CHUNK
 from exp.data.formats import format_prompt
+from exp.data.splits import all_examples
 from exp.model.build import build_tokenizer
 
 ROWS = [{"instruction": f"Say {i}", "input": "", "output": f"{i} é"} for i in range(20)]
@@ -195,7 +195,7 @@ def test_a_damaged_datasets_cache_entry_is_rebuilt(tmp_path, tokenizer, monkeypa
     assert len(read(path, tokenizer)) == 20
     (arrow,) = (tmp_path / "cache" / "datasets").rglob("*.arrow")
     arrow.write_bytes(arrow.read_bytes()[:100])  # truncated by a full disk, say
-    with caplog.at_level(logging.WARNING, logger="exp.data.datamodule"):
+    with caplog.at_level(logging.WARNING, logger="exp.data.sources"):
         assert len(read(path, tokenizer)) == 20
     assert "the files are sound; rebuilt its datasets cache entry" in caplog.text
 
@@ -222,7 +222,7 @@ def test_a_pipe_named_as_data_is_refused_not_read_forever(tmp_path, tokenizer):
 @pytest.mark.parametrize("name", ["set[1].jsonl", "a*b?.jsonl", "[x].json"])
 def test_file_names_with_glob_characters_are_literal(tmp_path, name):
     """`datasets` reads data_files as glob patterns; exp's checked paths are literal names."""
-    from exp.data.datamodule import _read_files
+    from exp.data.sources import _read_files
 
     rows = [{"instruction": f"say {i}", "input": "", "output": f"number {i}"} for i in range(5)]
     path = tmp_path / name

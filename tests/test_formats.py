@@ -8,7 +8,7 @@ import pytest
 from conftest import SHORT, compose_typed
 
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import encode_rendered
+from exp.data.encoding import encode_rendered
 from exp.data.formats import BadRow, render_row
 from exp.model.build import build_tokenizer
 

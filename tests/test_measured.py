@@ -23,7 +23,8 @@ from conftest import compose_typed
 from test_splits import CASES, COMMON, write_rows
 
 from exp.core.config import ConfigError, DataFormat
-from exp.data.datamodule import InstructionDataModule, all_examples
+from exp.data.datamodule import InstructionDataModule
+from exp.data.splits import all_examples
 from exp.model.build import build_tokenizer
 
 WORDS = ["red", "fox", "owl", "bee", "sun", "moon", "leaf"]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import compose_typed, encode
 
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import collate, length_grouped_batches, padding_stats
+from exp.data.batching import collate, length_grouped_batches, padding_stats
 from exp.data.packing import pack
 
 
@@ -103,7 +103,7 @@ def test_step_length_grouping_keeps_each_steps_examples_and_sorts_inside_it():
     are reordered (longest first), which cuts their padding."""
     from types import SimpleNamespace as E
 
-    from exp.data.datamodule import shuffled_batches, step_sorted_batches
+    from exp.data.batching import shuffled_batches, step_sorted_batches
 
     lengths = [(i * 37) % 200 + 5 for i in range(403)]
     rows = [E(input_ids=[1] * n, labels=[1] * n) for n in lengths]
@@ -157,7 +157,9 @@ def test_step_token_weighting_gives_the_gradient_of_the_whole_step(world_size):
 def test_step_grouped_batches_carry_their_steps_loss_tokens(tmp_path):
     import json
 
-    from exp.data.datamodule import build_datamodule, loss_tokens, shuffled_batches
+    from exp.data.batching import shuffled_batches
+    from exp.data.datamodule import build_datamodule
+    from exp.data.encoding import loss_tokens
     from exp.model.build import build_tokenizer
 
     words = "alpha beta gamma delta epsilon zeta eta theta".split()

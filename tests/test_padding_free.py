@@ -11,16 +11,9 @@ import torch.nn.functional as F
 from conftest import compose_typed
 
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import (
-    Encoded,
-    build_run_datamodule,
-    collate,
-    collate_flat,
-    flat_rows,
-    loss_tokens,
-    sequence_boundaries,
-    shuffled_batches,
-)
+from exp.data.batching import collate, collate_flat, flat_rows, sequence_boundaries, shuffled_batches
+from exp.data.datamodule import build_run_datamodule
+from exp.data.encoding import Encoded, loss_tokens
 from exp.data.packing import concatenate
 from exp.data.padding_free import (
     PAD_MULTIPLE,

@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import SHORT
 
-import exp.data.datamodule
+import exp.data.encoding
 import exp.train
 import exp.training.module
 import exp.training.pipeline
@@ -80,7 +80,7 @@ BEFORE_TRAINING = [
         signal.SIGINT,
         "data preparation",
     ),  # Ctrl-C: preempted, not failed
-    ("tokenising", exp.data.datamodule, "_encode_row", signal.SIGTERM, "data preparation"),
+    ("tokenising", exp.data.encoding, "_encode_row", signal.SIGTERM, "data preparation"),
     ("model", exp.training.module, "build_model", signal.SIGHUP, "model build"),  # a closed terminal
     ("step-0", QLoRAModule, "validation_step", signal.SIGUSR1, "the step-0 validation"),
 ]

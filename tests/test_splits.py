@@ -1,4 +1,4 @@
-"""One way to build each data split (`exp.data.datamodule.build_splits`): training validates on it, and `exp.merge`
+"""One way to build each data split (`exp.data.splits.build_splits`): training validates on it, and `exp.merge`
 and `exp.evaluate` score the same held-out examples in the same order, on a run of every data format."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 from conftest import compose_typed
 
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import InstructionDataModule, collate
+from exp.data.batching import collate
+from exp.data.datamodule import InstructionDataModule
 from exp.model.build import build_tokenizer
 
 WORDS = ["red", "fox", "owl", "bee", "leaf", "blue"]

@@ -10,7 +10,7 @@ import torch
 from conftest import SHORT, compose_typed, encode
 
 from exp.core.config import ConfigError
-from exp.data.datamodule import collate
+from exp.data.batching import collate
 from exp.data.synthetic import generate_examples
 from exp.hardware import memory
 from exp.model.build import build_model, build_tokenizer, decoder_layers, resolve_checkpoint

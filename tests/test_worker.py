@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import exp.data.datamodule
+import exp.data.encoding
 import exp.data.worker
 from exp.train import run
 from exp.training.signals import Preempted
@@ -51,8 +51,8 @@ def test_sigterm_during_parallel_tokenisation_stops_the_run_and_its_pool(tmp_pat
     marker = tmp_path / "workers"
     marker.mkdir()
     monkeypatch.setenv("EXP_TEST_MARKER", str(marker))
-    monkeypatch.setattr(exp.data.datamodule, "PARALLEL_ROWS", 40)  # 120 rows: a pool of 3
-    monkeypatch.setattr(exp.data.datamodule, "_encode_row", slow_encode)
+    monkeypatch.setattr(exp.data.encoding, "PARALLEL_ROWS", 40)  # 120 rows: a pool of 3
+    monkeypatch.setattr(exp.data.encoding, "_encode_row", slow_encode)
 
     def signal_once_a_worker_runs():
         while not list(marker.glob("*.json")):
@@ -120,7 +120,8 @@ def test_an_error_in_the_child_is_raised_in_the_parent():
 def test_parallel_tokenisation_gives_the_rows_of_one_process(tmp_path, monkeypatch):
     from conftest import compose_typed
 
-    from exp.data.datamodule import encode_source, read_source, tokenizer_fingerprint
+    from exp.data.encoding import encode_source, tokenizer_fingerprint
+    from exp.data.sources import read_source
     from exp.model.build import build_tokenizer
 
     train = compose_typed(["data.num_examples=90"])
@@ -129,7 +130,7 @@ def test_parallel_tokenisation_gives_the_rows_of_one_process(tmp_path, monkeypat
     fp = tokenizer_fingerprint(tokenizer)
     serial = encode_source(cfg, source, tokenizer, fp)
     monkeypatch.setenv("EXP_CACHE", str(tmp_path / "other-cache"))  # tokenised again, not read from the cache
-    monkeypatch.setattr(exp.data.datamodule, "PARALLEL_ROWS", 30)  # a pool of 3
+    monkeypatch.setattr(exp.data.encoding, "PARALLEL_ROWS", 30)  # a pool of 3
     parallel = encode_source(cfg, source, tokenizer, fp)
     assert len(list((tmp_path / "other-cache").rglob("rows_*_of_00003.arrow"))) == 3
     assert parallel.to_list() == serial.to_list()

@@ -249,7 +249,7 @@ def baseline_real_batches(settings: Settings):
     """The hand-written loop's natural batching of real data: each step `micro_batch` examples in exp's seeded
     epoch order (without length grouping), padded to the longest; the validation split in padded batches of 4."""
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-    from exp.data.datamodule import collate, shuffled_batches
+    from exp.data.batching import collate, shuffled_batches
 
     cfg, tokenizer, dm = real_data(settings)
     pad = tokenizer.pad_token_id

@@ -29,9 +29,11 @@ from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl
-from exp.data.datamodule import Encoded, all_examples, build_splits, collate, validation_source
+from exp.data.batching import collate
+from exp.data.encoding import Encoded
+from exp.data.splits import all_examples, build_splits, validation_source
 from exp.model.loss import resolve_loss_impl
-from exp.model.metrics import batch_response_metrics
+from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
 from exp.run.dirs import RunLayout, write_json
 from exp.run.inference import (
     RUN_CONFIG_HELP,
@@ -189,20 +191,17 @@ def build_eval_loader(cfg: DataConfig, tokenizer: Any, batch_size: int, whole: b
 
 @torch.no_grad()
 def score(model: Any, loader: DataLoader, device: torch.device, impl: LossImpl) -> dict[str, float]:
-    """Token-weighted loss, perplexity, token accuracy and exact match, summed as training's validation does (with
-    the logits computed the way the training loss `impl` computes them)."""
-
+    """Token-weighted loss, perplexity, token accuracy and exact match: training's validation rates (with the logits
+    computed the way the training loss `impl` computes them), and the examples and tokens they are over."""
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
-        for k, v in batch_response_metrics(model, batch, impl).items():
-            sums[k] = sums.get(k, 0) + v.to(torch.float64).cpu()
-    loss = float(sums["loss_sum"] / sums["tokens"])
+        add_sums(sums, batch_response_metrics(model, batch, impl))
+    rates = validation_rates(sums)
     return {
-        "loss": loss,
-        "perplexity": math.exp(loss),
-        "token_accuracy": float(sums["hits"] / sums["tokens"]),
-        "exact_match": float(sums["exact"] / sums["examples"]),
+        "loss": rates["loss"],
+        "perplexity": math.exp(rates["loss"]),  # next to the loss it is exp() of; the other rates follow
+        **rates,
         "examples": int(sums["examples"]),
         "tokens": int(sums["tokens"]),
     }

@@ -1,7 +1,7 @@
 """`python -m exp.generate run=<run dir> prompt="..."`: answers from a trained adapter, streamed to the terminal.
 
 Two prompt formats:
-- `template=alpaca` (default): the prompt format the run trained with (`exp.data.datamodule.format_prompt`: `### Instruction:`
+- `template=alpaca` (default): the prompt format the run trained with (`exp.data.formats.format_prompt`: `### Instruction:`
   ... `### Response:`), with `<bos>` once, exactly as training tokenised it; `input="..."` fills its Input field.
 - `template=chat`: the model family's chat template saved with the tokenizer (Gemma's `<start_of_turn>user` ...),
   for adapters trained on chat-formatted data or to talk to an instruction-tuned base.
@@ -26,7 +26,7 @@ import torch
 
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError
-from exp.data.datamodule import format_prompt
+from exp.data.formats import format_prompt
 from exp.run.inference import (
     MODEL_PATH_HELP,
     RUN_KEYS,
@@ -87,7 +87,7 @@ class GenerationOptions:
 def prompt_ids(tokenizer: Any, prompt: str, input_text: str, template: str) -> list[int]:
     """Token ids of the prompt, ending where the model's answer begins."""
     if template == "alpaca":
-        # As training encodes an Alpaca row (exp.data.datamodule.encode_rendered): the text without special
+        # As training encodes an Alpaca row (exp.data.encoding.encode_rendered): the text without special
         # tokens, `<bos>` added once.
         text = format_prompt(prompt, input_text)
         return [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]

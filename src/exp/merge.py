@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, TrainConfig
 from exp.core.constants import IGNORE_INDEX
-from exp.data.datamodule import build_splits, collate
+from exp.data.batching import collate
+from exp.data.splits import build_splits
 from exp.model.build import compute_dtype
 from exp.run.dirs import ADAPTER_DIR, CHECKPOINT_DIR, CONFIG_FILE, STATUS_FILE, SUMMARY_FILE, write_json
 from exp.run.inference import (

@@ -1,2 +1,2 @@
-"""Layer 1, the data: sources and files, per-format rendering, tokenisation, splits, packing, the DataModule. Reads
-`exp.core` only (the tokenizer is handed in)."""
+"""Layer 1, the data: sources and files, per-format rendering, encoding and its cache, splits, batching (padded,
+packed, padding-free), the DataModule. Reads `exp.core` only."""

@@ -1,8 +1,9 @@
 """Per-format rendering: one data row -> text segments, each marked as prompt (no loss) or response (loss).
 
-Every format reduces to the same shape, so masking, `<bos>` / `<eos>` handling, truncation and packing are written
-once (in `exp.data.datamodule`). A row that lacks a required field, or holds a non-string where text is expected, raises
-`BadRow` with a reason; the caller collects those per row (skip or fail, `data.on_bad_rows`).
+Every format reduces to the same shape, so masking, `<bos>` / `<eos>` handling and truncation (`exp.data.encoding`)
+and packing (`exp.data.packing`) are written once. A row that lacks a required field, or holds a non-string where
+text is expected, raises `BadRow` with a reason; the caller collects those per row (skip or fail,
+`data.on_bad_rows`).
 
 | format            | required fields (config key)                        | rendering                                   |
 |-------------------|-----------------------------------------------------|---------------------------------------------|

@@ -356,7 +356,7 @@ def quiet_third_party_logs(verbose: bool = False) -> None:
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\)")
     # QLoRAModule counts tokens in this hook and exp's data module has none: there is nothing to choose between.
     warnings.filterwarnings("ignore", message=".*overridden `on_before_batch_transfer`.*LightningDataModule")
-    # exp.data.datamodule tokenizes up front and collates in memory: loader workers would add processes, not speed
+    # exp.data tokenizes up front and collates in memory: loader workers would add processes, not speed
     # (hardware.num_workers is there for the rare dataset where they help).
     warnings.filterwarnings("ignore", message=".*does not have many workers which may be a bottleneck")
     # A continued run writes its checkpoints into its own run directory by design (docs/resume.md).

@@ -6,6 +6,9 @@ more than a memory-bounded training step holds at its peak. So wherever the trai
 states (`hardware.loss_impl` chunked / liger), the metrics do too (`chunked_response_metrics`): the head's matmul
 one chunk of tokens at a time, the same chunk as the chunked loss, so the memory estimate of the training step
 bounds validation as well.
+
+The sums of a split's batches (`add_sums`, and over the ranks) become its means in one place, `validation_rates`:
+training's validation logs them as `val/*`, `exp.evaluate` reports them.
 """
 
 from __future__ import annotations
@@ -106,4 +109,21 @@ def _sums(
         "hits": hits.sum(),
         "exact": ((missed == 0) & (scored > 0)).sum(),
         "examples": (scored > 0).sum(),
+    }
+
+
+def add_sums(sums: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+    """Add a batch's summed metrics to a split's running sums: float64 (exact for the counts of any split) on the
+    batch's device, so that nothing is read back to the host before the split ends."""
+    for k, v in batch.items():
+        sums[k] = sums.get(k, 0) + v.to(torch.float64)
+
+
+def validation_rates(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A split's means from its summed metrics (every batch of every rank): the loss per loss-bearing token, the
+    share of loss-bearing tokens predicted right, and the share of examples answered exactly."""
+    return {
+        "loss": float(sums["loss_sum"] / sums["tokens"]),
+        "token_accuracy": float(sums["hits"] / sums["tokens"]),
+        "exact_match": float(sums["exact"] / sums["examples"]),
     }

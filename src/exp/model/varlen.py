@@ -8,7 +8,7 @@ torch's FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`) i
 boundaries (cumulative lengths) and runs each example's causal, optionally sliding-window, attention alone: the
 cost is the sum of the examples' squared lengths, on the flash kernel.
 
-The boundaries come with the batch: `collate` of position-id rows (exp.data.datamodule.sequence_boundaries) adds
+The boundaries come with the batch: `collate` of position-id rows (exp.data.batching.sequence_boundaries) adds
 `cu_seq_lens_q` / `cu_seq_lens_k` (int32) and `max_length_q` / `max_length_k` (Python ints, so no host sync in the
 step), transformers' names for them; its models pass them to the attention function untouched. Batches with an
 attention mask (padded validation, generation) take transformers' SDPA path with the SDPA mask instead. Where the CUDA kernel is not available (the CPU), the same

@@ -22,7 +22,7 @@ from exp.model.build import build_model
 from exp.model.compile_cache import compile_summary
 from exp.model.loss import causal_lm_loss, resolve_loss_impl
 from exp.model.loss_plan import LossChoice
-from exp.model.metrics import batch_response_metrics
+from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
 
@@ -360,8 +360,7 @@ class QLoRAModule(L.LightningModule):
         # held-out split in eager mode.
         with torch.compiler.set_stance("force_eager"):
             metrics = batch_response_metrics(self.model, batch, self.loss_choice.impl)
-        for k, v in metrics.items():
-            self._val_sums[k] = self._val_sums.get(k, 0) + v.to(torch.float64)
+        add_sums(self._val_sums, metrics)
         self._val_batches += 1
 
     def on_validation_epoch_end(self) -> None:
@@ -369,11 +368,7 @@ class QLoRAModule(L.LightningModule):
         if not sums:
             return
         self._record_validation_time(int(sums["examples"]))
-        metrics = {
-            "val/loss": float(sums["loss_sum"] / sums["tokens"]),
-            "val/token_accuracy": float(sums["hits"] / sums["tokens"]),
-            "val/exact_match": float(sums["exact"] / sums["examples"]),
-        }
+        metrics = {f"val/{k}": v for k, v in validation_rates(sums).items()}
         self.last_val = metrics
         if self.trainer.sanity_checking:
             # The sanity check runs on the untrained adapters: record it as the step-0 evaluation. Lightning

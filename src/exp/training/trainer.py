@@ -110,7 +110,7 @@ def build_trainer(
         precision=None if any(isinstance(p, Precision) for p in plugins) else hw.precision,
         plugins=plugins,
         max_steps=t.max_steps,
-        max_epochs=-1,  # max_steps decides; the training stream never ends (exp.data.datamodule.TrainStream)
+        max_epochs=-1,  # max_steps decides; the training stream never ends (exp.data.batching.TrainStream)
         accumulate_grad_batches=accumulate,
         gradient_clip_val=t.max_grad_norm or None,
         # Lightning counts validation intervals in micro-batches, the config in optimiser steps.

@@ -1,0 +1,162 @@
+"""A data config -> its training and held-out examples (`build_splits`), or a whole evaluation set (`all_examples`).
+
+The one place a data config becomes split examples, for training, `exp.evaluate` and `exp.merge` alike: read the
+source (`exp.data.sources`), encode it (`exp.data.encoding`, cached), keep the usable rows (bad rows skipped or
+refused, per `data.on_bad_rows`), and carve the held-out split.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from exp.core.config import BadRows, ConfigError, DataConfig
+from exp.data.encoding import (
+    Encoded,
+    as_encoded,
+    check_position_limit,
+    encode_source,
+    loss_tokens,
+    tokenizer_fingerprint,
+)
+from exp.data.sources import Source, read_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The training and held-out examples of a data config, encoded as training sees them, in split order.
+
+    Examples whose response was truncated away are dropped and counted; bad rows are skipped and counted (or fail,
+    per `data.on_bad_rows`).
+    """
+
+    train: list[Encoded]
+    val: list[Encoded]
+    # Per split: examples, kept, truncated, dropped, tokens, loss_tokens (see `_keep`).
+    train_stats: dict[str, int]
+    val_stats: dict[str, int]
+    bad_rows: int  # in data.path and data.val_path together
+    cache_files: list[str]  # the tokenisation cache files of data.path
+    val_source: str  # what the held-out split is, for logs and reports (`validation_source`)
+
+
+def build_splits(cfg: DataConfig, tokenizer: Any) -> Splits:
+    """The train / held-out examples of `cfg`, rendered per `data.format` and encoded as training encodes them.
+
+    The only place a data config becomes split examples: the DataModule trains and validates on these, and
+    `exp.evaluate` and `exp.merge` score the same held-out examples in the same order. The held-out split is the
+    usable rows of `data.val_path`, or `data.val_size` of the usable rows of `data.path` drawn with `data.seed`.
+    """
+    check_position_limit(cfg, tokenizer)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    rows, bad_rows, cache_files = _usable_encoded(cfg, cfg.path, "data.path", tokenizer, tokenizer_fp)
+    if cfg.val_path:
+        val_rows, val_bad_rows, _ = _usable_encoded(cfg, cfg.val_path, "data.val_path", tokenizer, tokenizer_fp)
+        train_split, val_split, bad_rows = rows, val_rows, bad_rows + val_bad_rows
+    else:
+        train_split, val_split = split_rows(rows, cfg.val_size, cfg.seed)
+    train, train_stats = _keep(train_split)
+    val, val_stats = _keep(val_split)
+    if not train or not val:
+        raise ConfigError(
+            f"data.max_seq_len={cfg.max_seq_len} leaves no example with a response token "
+            f"(train {len(train)}, val {len(val)} kept): raise data.max_seq_len"
+        )
+    return Splits(train, val, train_stats, val_stats, bad_rows, cache_files, validation_source(cfg))
+
+
+def source_name(cfg: DataConfig) -> str:
+    """The training source of `cfg` as the user named it: a file, a hub dataset or the generated task."""
+    if cfg.path:
+        return f"data.path={cfg.path}"
+    if cfg.hub_id:
+        return f"data.hub_id={cfg.hub_id} (split {cfg.split})"
+    return f"the generated task (data.num_examples={cfg.num_examples})"
+
+
+def validation_source(cfg: DataConfig) -> str:
+    """What the held-out split of `cfg` is: every usable row of data.val_path, or data.val_size of the training
+    source's usable rows drawn with data.seed."""
+    if cfg.val_path:
+        return f"data.val_path={cfg.val_path} (every usable row)"
+    return f"data.val_size={cfg.val_size:g} of {source_name(cfg)}, drawn with data.seed={cfg.seed}"
+
+
+def all_examples(cfg: DataConfig, tokenizer: Any, key: str = "data.path") -> list[Encoded]:
+    """Every usable row of `data.path` in source order, encoded as `build_splits` encodes it: a whole evaluation set,
+    no split. `key` is the argument that named the path, for messages."""
+    check_position_limit(cfg, tokenizer)
+    rows, _, _ = _usable_encoded(cfg, cfg.path, key, tokenizer, tokenizer_fingerprint(tokenizer))
+    kept, _ = _keep(rows)
+    if not kept:
+        raise ConfigError(
+            f"{key}={cfg.path}: no row keeps a response token at data.max_seq_len={cfg.max_seq_len}; raise "
+            "data.max_seq_len"
+        )
+    return kept
+
+
+def split_rows(rows: list[Any], val_size: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """Seeded shuffle, then carve the validation split (a fraction < 1 or a count >= 1). Called by `build_splits`:
+    the held-out split of a run is a function of its usable rows, `val_size` and `seed`."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_val = int(val_size) if val_size >= 1 else max(1, round(len(rows) * val_size))
+    if n_val >= len(rows):
+        raise ConfigError(
+            f"data.val_size={val_size} leaves no training examples out of {len(rows)} usable rows: lower it "
+            "(a fraction like 0.1 or a count) or give a separate data.val_path"
+        )
+    return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+
+
+def usable_rows(cfg: DataConfig, source: Source, encoded) -> list[int]:
+    """Indices of rows without problems; bad rows are reported (and skipped) or fail, per `data.on_bad_rows`."""
+    errors = encoded["error"]
+    bad = [(i, e) for i, e in enumerate(errors) if e]
+    if bad:
+        shown = "; ".join(f"row {i}: {e}" for i, e in bad[:10]) + (" ..." if len(bad) > 10 else "")
+        if cfg.on_bad_rows == BadRows.fail or len(bad) == len(errors):
+            fix = (
+                "fix the rows, map the columns (data.<name>_field=...), or pass data.on_bad_rows=skip to drop them"
+                if len(bad) < len(errors)
+                else "no row is usable: check data.format and the column mapping (data.<name>_field=...)"
+            )
+            raise ConfigError(f"{source.name}: {len(bad)} of {len(errors)} rows unusable ({shown}); {fix}")
+        log.warning(
+            "data: skipped %d of %d row(s) of %s (rows %s): %s",
+            len(bad),
+            len(errors),
+            source.name,
+            [i for i, _ in bad[:20]],
+            shown,
+        )
+    return [i for i, e in enumerate(errors) if not e]
+
+
+def _usable_encoded(
+    cfg: DataConfig, path: str | None, key: str, tokenizer: Any, tokenizer_fp: str
+) -> tuple[list[Encoded], int, list[str]]:
+    """One source's usable rows, encoded (cached), in source order; how many rows were bad; the cache files."""
+    source = read_source(cfg, path, key)
+    encoded = encode_source(cfg, source, tokenizer, tokenizer_fp)
+    rows = as_encoded(encoded)
+    usable = usable_rows(cfg, source, encoded)
+    return [rows[i] for i in usable], len(rows) - len(usable), [f["filename"] for f in encoded.cache_files]
+
+
+def _keep(split: list[Encoded]) -> tuple[list[Encoded], dict[str, int]]:
+    """Drop rows whose response was truncated away (empty encodings), counting what happened."""
+    kept = [e for e in split if e.input_ids]
+    return kept, {
+        "examples": len(split),
+        "kept": len(kept),
+        "truncated": sum(e.truncated for e in split),
+        "dropped": len(split) - len(kept),
+        "tokens": sum(len(e.input_ids) for e in kept),
+        "loss_tokens": sum(loss_tokens(e) for e in kept),
+    }
