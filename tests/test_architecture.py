@@ -129,6 +129,7 @@ def test_imports_inside_functions_say_why():
     [
         "exp.core.config",
         "exp.core.cli",
+        "exp.model.families",
         "exp.hardware.memory",
         "exp.hardware.preflight",
         "exp.run.compose",

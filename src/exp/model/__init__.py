@@ -1,2 +1,3 @@
-"""Layer 1, the model: a (4-bit) Gemma loaded on a device and wrapped with LoRA, the random-weight checkpoints the
-project builds, kept dequantized weights, the training loss. Reads `exp.core` only."""
+"""Layer 1, the model: a (4-bit) Gemma loaded on a device and wrapped with LoRA, the facts of each Gemma family (one
+row each), the random-weight checkpoints the project builds, kept dequantized weights, the training loss. Reads
+`exp.core` only."""
