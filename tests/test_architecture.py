@@ -205,6 +205,7 @@ def test_imports_inside_functions_say_why():
         "exp.core.config",
         "exp.core.strategies",
         "exp.core.cli",
+        "exp.model.families",
         "exp.hardware.memory",
         "exp.hardware.preflight",
         "exp.run.compose",

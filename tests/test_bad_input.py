@@ -3,8 +3,8 @@
 Every row must exit non-zero with a message that names the key and says how to fix it, print no traceback, leave a
 finished run directory it is aimed at (`hydra.run.dir=<that run>`: status, checkpoint, adapter) exactly as it was,
 and leave no new directory behind (the one a run claims before its checks is removed again). Most rows fail before Hydra starts (well under a second); the
-cross-field checks fail in the typed config, a missing model.path before anything loads, and an unknown LoRA target
-when the model is built (the names are the model's).
+cross-field checks fail in the typed config (an unknown LoRA target there too, against its model family's row), and a
+missing model.path before anything loads.
 """
 
 from __future__ import annotations

@@ -48,6 +48,17 @@ def test_train_help_says_what_it_takes(tmp_path):
     assert "model: gemma2_2b" in proc.stdout and "target_modules:" in proc.stdout  # every option and every key
 
 
+def test_train_plans_a_lora_on_the_head(tmp_path):
+    """A target the build takes is one the memory estimate counts: --plan estimates it (no GPU needed)."""
+    argv = ["-m", "hardware=gpu", "model=gemma_2b", "lora.target_modules=[q_proj,v_proj,lm_head]", "--plan"]
+    proc = subprocess.run([sys.executable, "-m", "exp.train", *argv], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "study plan: 1 job(s), 1 to run, 0 reused, 0 failing their config checks" in proc.stdout, proc.stdout
+    job = next(line for line in proc.stdout.splitlines() if line.startswith("0_hardware=gpu,lora.target_modules"))
+    assert float(job.split()[1]) > 0  # the estimate, GiB
+    assert not list(tmp_path.iterdir())  # nothing was started or written
+
+
 @pytest.mark.parametrize("module", TOOLS)
 def test_an_option_flag_is_refused_in_one_paragraph(module, capsys):
     assert exit_status(module, ["--no-such-thing", "3"]) == 2

@@ -155,6 +155,7 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
 
     import exp.run.compose
     import exp.train
+    from exp.core.config import ConfigError
     from exp.hardware.preflight import Environment, Gpu, check, format_findings
 
     monkeypatch.chdir(ROOT)  # as typed in the clone's root (`--config-dir sweeps`, relative run directories)
@@ -182,13 +183,16 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
         assert message == expected
         return
     assert message is None, message
-    if cfg is None:  # a sweep: every job of a grid composes
+    if cfg is None:  # a sweep: every job of a grid composes, or fails as the transcript shows it fail
         parsed = get_args_parser().parse_args(args)
         if not parsed.config_dir:
             jobs = grid_jobs(parsed.overrides)
             assert len(jobs) > 1
             for job in jobs:
-                exp.run.compose.compose_config(job)
+                try:
+                    exp.run.compose.compose_config(job)
+                except ConfigError as e:  # the sweep records the job as failed with this message, and goes on
+                    assert any(f": {e}" in line for line in cmd.output), f"{cmd.where}: {job} fails: {e}"
         return
     # The preflight, for the machine the command is shown on: this CPU machine, or for the transcript naming
     # CUDA_VISIBLE_DEVICES the H200 machine it was recorded on (one GPU visible). GPU commands without a transcript

@@ -116,10 +116,18 @@ def test_lora_param_count_exact():
     assert est(optimizer="paged_adamw_8bit").optimizer_state < 3 * 7168
 
 
-def test_all_linear_alias_and_unknown_target():
-    assert lora_param_count(SMALL, 4, ["all-linear"]) == lora_param_count(SMALL, 4, ALL)
-    with pytest.raises(ValueError, match="lm_head"):
-        est(lora_targets=["lm_head"])
+def test_a_lora_on_the_head_is_counted_once_and_other_modules_are_refused():
+    # The head: A is r x hidden, B is vocab x r, once in the model: 8 x (128 + 1000) beside q and v's 7168.
+    targets = ["q_proj", "v_proj", "lm_head"]
+    assert lora_param_count(SMALL, 8, targets) == 7168 + 8 * 1128
+    base, head = est(), est(lora_targets=targets)
+    assert head.lora_params - base.lora_params == 4 * 8 * 1128
+    assert head.optimizer_state - base.optimizer_state == 8 * 8 * 1128
+    # Saved for its backward: its input (bf16, T x hidden), lora_A's output (T x r), the bf16 casts of A and B.
+    assert head.details["head_lora_bytes"] == 2 * 16 * 128 + 2 * 16 * 8 + 2 * 8 * 1128
+    assert base.details["head_lora_bytes"] == 0
+    with pytest.raises(ValueError, match=r"\['embed_tokens'\] match no linear layer .* Allowed: q_proj, .*, lm_head"):
+        est(lora_targets=["q_proj", "embed_tokens"])
 
 
 def test_modules_to_save_head_adds_a_trainable_table():

@@ -177,7 +177,7 @@ def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
     groups = job_groups(study)
     status = {job.split("_", 1)[0]: json.loads((dirs[0] / "status.json").read_text()) for job, dirs in groups.items()}
     assert [status[k]["status"] for k in ("0", "1", "2")] == ["completed", "completed", "failed"]
-    assert "nope_proj" in status["2"]["error"] and "Available" in status["2"]["error"]
+    assert "nope_proj" in status["2"]["error"] and "Allowed" in status["2"]["error"]
     assert "1 failed" in first.stdout + first.stderr
 
 

@@ -183,12 +183,13 @@ def test_report_shows_the_other_jobs_and_names_the_damaged_one(tmp_path, capsys)
 
 
 def test_an_unknown_lora_target_fails_its_own_job_in_a_plan():
-    """--plan and the packing launcher estimate each job's memory: a target the estimate does not know fails
-    that job, with the message the training run would give, and the other jobs are still planned."""
+    """--plan and the packing launcher estimate each job's memory: a target the estimate does not know (in a config
+    made without composing it, which refuses it first) fails that job, with the message composing would give, and
+    the other jobs are still planned."""
     from exp.study.plan import PlannedJob, build_pool, estimate_jobs
 
-    bad = compose_typed(["lora.target_modules=[q_proj,qv_proj]"])
-    good = compose_typed([])
+    bad, good = compose_typed([]), compose_typed([])
+    bad.lora.target_modules = ["q_proj", "qv_proj"]
     jobs = [PlannedJob(0, "0_bad", [], bad), PlannedJob(1, "1_good", [], good)]
     estimate_jobs(jobs, build_pool("sequential", [], [], 0.1)[0], [])
     assert jobs[0].cfg is None and not jobs[0].runs

@@ -1018,7 +1018,7 @@ def memory_problem(cfg: Any, device: str, figures: MemoryFigures) -> str:
     from exp.model.local import MAX_SHARD_BYTES, random_checkpoint_dir
 
     model, host, gpu = cfg.model.name, figures.host_available, figures.gpu_free
-    weights = 2 * base_param_count(config_arch(cfg))
+    weights = 2 * base_param_count(config_arch(cfg), cfg.model.family)
     built = random_checkpoint_dir(cfg.model.family, dict(cfg.model.arch), cfg.model.seed).is_dir()
     if device == "cpu":
         if host is not None and weights > host:
@@ -1093,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-    from exp.hardware.memory import config_arch, lora_param_count
+    from exp.hardware.memory import config_arch
     from exp.run.compose import compose_config
     from exp.run.tracking import _git_state
 
@@ -1110,8 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
         base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
                         a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data,
                         a.profile, a.first_step)  # fmt: skip
-        cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)  # bad overrides fail here, before any run
-        lora_param_count(config_arch(cfg), a.lora_r, targets)  # a target the model lacks, before any worker starts
+        # Bad overrides and LoRA targets the model lacks fail here, before any worker starts.
+        cfg = compose_config(base.exp_overrides() + a.overrides, ROOT)
         if problem := memory_problem(cfg, device, memory_figures(device)):
             raise ConfigError(problem)
     except (ValueError, ConfigError) as e:

@@ -1,7 +1,9 @@
 """Typed configuration: one dataclass schema per Hydra group, registered in Hydra's ConfigStore.
 
-This module is the single home of defaults and of cross-field validation. YAML files under `conf/` hold only the
-values that differ from these defaults. Keys reuse the names of the library they feed (PEFT's `r`, `alpha`,
+This module is the single home of defaults and of cross-field validation, except the rules of a model family
+(which LoRA targets and attention kernels it takes), which live with the family's row in `exp.model.families` and
+are checked when a config is composed (`exp.run.compose.to_typed`). YAML files under `conf/` hold only the values
+that differ from these defaults. Keys reuse the names of the library they feed (PEFT's `r`, `alpha`,
 `target_modules`; bitsandbytes' `quant_type`, `double_quant`; Lightning's `max_steps`, `precision`).
 
 Below `exp.train.main`, code receives these dataclasses (via `OmegaConf.to_object`), never a DictConfig.
@@ -28,6 +30,7 @@ class ConfigError(ValueError):
 
 
 class ModelFamily(str, Enum):
+    # Each family's facts (transformers classes, norms, softcaps, projections, LoRA targets): exp.model.families.
     gemma = "gemma"
     gemma2 = "gemma2"
     gemma3 = "gemma3"
@@ -427,11 +430,6 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(
             "model.attn_implementation=flex_attention on the CPU: FlexAttention has no backward pass on the CPU; use "
             "e.g. model.attn_implementation=sdpa (or eager for Gemma 2)"
-        )
-    elif m.attn_implementation == "varlen" and m.family == ModelFamily.gemma2:
-        p.append(
-            "model.attn_implementation=varlen with a Gemma 2 model: the varlen kernel has no attention-logit "
-            "softcapping, which Gemma 2 needs; use model.attn_implementation=flex_attention (GPU) or eager"
         )
     elif m.attn_implementation.startswith("flash") and cfg.hardware.accelerator == Accelerator.cpu:
         p.append(

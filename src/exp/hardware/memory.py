@@ -5,7 +5,7 @@ configuration that cannot fit). The model of a step is the code path `exp` runs:
 bitsandbytes (frozen base), PEFT LoRA adapters, bf16 autocast (Lightning's "bf16-mixed") or plain fp32 ("32-true"),
 SDPA or eager attention, transformers' `ForCausalLMLoss` or exp.model.loss's chunked / liger's fused linear cross-entropy
 (`loss_impl`), non-reentrant checkpointing of all, some (`checkpoint_layers`) or no decoder layers, torch AdamW on
-the adapters.
+the adapters. A family's shapes, norms, softcaps and sliding-window pattern are its row in exp.model.families.
 
 Where the bytes go
 ------------------
@@ -14,12 +14,12 @@ Persistent (the whole step):
   * the embedding, tied to `lm_head` (counted once). bitsandbytes quantizes `nn.Linear` layers only, and
     transformers keeps `lm_head` out of quantization, so the 256k x hidden table stays in the load dtype;
   * norm weights (tiny);
-  * the trainable tensors: LoRA A/B in fp32 (PEFT upcasts adapters to fp32), their fp32 grads and the optimizer's
-    state.
+  * the trainable tensors: LoRA A/B in fp32 (PEFT upcasts adapters to fp32) on the decoder projections and on the
+    head if targeted, their fp32 grads and the optimizer's state.
 Saved for backward (`_layer_saved_bytes`): what autograd keeps per decoder layer, derived op by op below. The 4-bit
 base layers save *no* activation: bitsandbytes' `MatMul4Bit` keeps only the packed weight (`ctx.tensors = (None, B)`),
 because the weight needs no gradient. So the memory of a QLoRA step is norms, attention, the GeGLU MLP and the
-adapters' inputs, plus the loss over the vocabulary.
+adapters' inputs (a LoRA on the head: its input too), plus the loss over the vocabulary.
 The loss over the vocabulary (`_logits_peak_bytes`): for Gemma's 256k vocabulary this dominates everything else.
 
 The peak is the larger of two moments:
@@ -48,13 +48,17 @@ from typing import Any
 
 from exp.core.config import Accelerator, ConfigError
 from exp.core.constants import CHUNK_LOGIT_BYTES
+from exp.model.families import (
+    ATTENTION_OUTPUT,
+    Family,
+    Projection,
+    Sizes,
+    family_row,
+    lora_target_problem,
+)
 from exp.model.loss_plan import liger_chunks, plan_loss_impl
 
 GiB = 2**30
-
-ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = ATTN_PROJ + MLP_PROJ
 
 # bitsandbytes 4-bit: one absmax per block of 64 weights (the `blocksize` transformers passes for NF4/FP4).
 BNB_4BIT_BLOCK = 64
@@ -68,13 +72,6 @@ WORKSPACE_FIXED_BYTES = GiB // 2
 # The caching allocator reserves more than it hands out (block rounding, fragmentation between the large and
 # short-lived logits tensors and everything else): a few percent of the allocated peak in steady training.
 WORKSPACE_FRACTION = 0.03
-
-# Transformers' defaults for keys an architecture dict may omit (GemmaConfig / Gemma2Config / Gemma3TextConfig).
-DEFAULT_HEAD_DIM = 256
-GEMMA2_ATTN_SOFTCAP = 50.0
-GEMMA2_FINAL_SOFTCAP = 30.0
-# Gemma 2 alternates sliding-window and global layers; Gemma 3 has one global layer in every six.
-SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 @dataclass
@@ -134,56 +131,6 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class _Shape:
-    vocab: int
-    hidden: int
-    inter: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each decoder projection."""
-        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.inter
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-
-
-def _shape(arch: Mapping[str, Any]) -> _Shape:
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in arch]
-    if "num_attention_heads" not in arch:
-        missing.append("num_attention_heads")
-    if missing:
-        raise ValueError(f"architecture lacks {missing} (transformers Gemma config names)")
-    heads = int(arch["num_attention_heads"])
-    return _Shape(
-        vocab=int(arch["vocab_size"]),
-        hidden=int(arch["hidden_size"]),
-        inter=int(arch["intermediate_size"]),
-        layers=int(arch["num_hidden_layers"]),
-        heads=heads,
-        kv_heads=int(arch.get("num_key_value_heads", heads)),
-        head_dim=int(arch.get("head_dim", DEFAULT_HEAD_DIM)),
-    )
-
-
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -205,36 +152,28 @@ def _linear_weight_bytes(n_in: int, n_out: int, quant_type: str, double_quant: b
     raise ValueError(f"quant_type={quant_type!r}: expected nf4, fp4, int8 or none")
 
 
-def _normalise_targets(targets: Sequence[str] | str) -> list[str]:
-    if isinstance(targets, str):
-        targets = [targets]
-    if bad := [t for t in targets if t != "all-linear" and t not in ALL_LINEAR]:
-        raise ConfigError(
-            f"lora.target_modules={list(targets)}: {bad} match no linear layer of a Gemma decoder layer (its "
-            f"projections: {', '.join(ALL_LINEAR)}, or all-linear). Fix: e.g. lora.target_modules=[q_proj,v_proj] "
-            "(exp.bench: lora_targets=q_proj,v_proj)."
-        )
-    out: list[str] = []
-    for t in targets:
-        for name in ALL_LINEAR if t == "all-linear" else (t,):
-            if name not in out:
-                out.append(name)
-    return out
+def _targets(row: Family, targets: Sequence[str] | str) -> list[Projection]:
+    """The projections `targets` names, each once. A composed config has had its targets checked against the family
+    (exp.run.compose); a direct caller naming another module gets the same refusal."""
+    names = [targets] if isinstance(targets, str) else list(targets)
+    if problem := lora_target_problem(row, names):
+        raise ConfigError(problem)
+    return [row.target(name) for name in dict.fromkeys(names)]
 
 
-def base_param_count(arch: Mapping[str, Any]) -> int:
+def base_param_count(arch: Mapping[str, Any], family: str = "gemma") -> int:
     """Weights of the base: the (tied) embedding and every decoder projection (norms are negligible)."""
-    shape = _shape(arch)
-    per_layer = sum(n_in * n_out for n_in, n_out in shape.linear_shapes().values())
-    return shape.vocab * shape.hidden + shape.layers * per_layer
+    row = family_row(family)
+    return row.param_count(row.sizes(arch))
 
 
-def lora_param_count(arch: Mapping[str, Any], lora_r: int, lora_targets: Sequence[str] | str) -> int:
-    """Number of LoRA parameters: r x (in + out) per targeted Linear (A is r x in, B is out x r), every layer."""
-    shape = _shape(arch)
-    lin = shape.linear_shapes()
-    per_layer = sum(lora_r * (lin[t][0] + lin[t][1]) for t in _normalise_targets(lora_targets))
-    return per_layer * shape.layers
+def lora_param_count(
+    arch: Mapping[str, Any], lora_r: int, lora_targets: Sequence[str] | str, family: str = "gemma"
+) -> int:
+    """Number of LoRA parameters: r x (in + out) per targeted Linear (A is r x in, B is out x r), in every layer for
+    a decoder projection, once for the head."""
+    row = family_row(family)
+    return row.lora_param_count(row.sizes(arch), lora_r, [p.name for p in _targets(row, lora_targets)])
 
 
 def _lora_input_bytes(n_targets: int, width: int, tokens: int, dropout: bool, c: int) -> int:
@@ -250,16 +189,38 @@ def _lora_input_bytes(n_targets: int, width: int, tokens: int, dropout: bool, c:
     return c * tokens * width
 
 
+def _lora_saved_bytes(
+    targets: Sequence[Projection], s: Sizes, *, tokens: int, lora_r: int, dropout: bool, c: int, eager: bool
+) -> int:
+    """What the LoRA branches on `targets` save for their backward: lora_A's input (`_lora_input_bytes`, shared by
+    the branches reading one tensor), lora_B's input (T x r); under bf16 autocast also the bf16 casts of the fp32 A
+    and B (cached per forward, saved by the matmuls). The attention output is o_proj's input: SDPA saves it for
+    its own backward, so a LoRA on o_proj without dropout saves that very tensor; eager attention's reaches o_proj
+    as a fresh `.contiguous()` copy."""
+    by_input: dict[str, list[Projection]] = {}
+    for p in targets:
+        by_input.setdefault(p.reads, []).append(p)
+    saved = 0
+    for reads, group in by_input.items():
+        if reads == ATTENTION_OUTPUT and not (dropout or eager):
+            continue
+        saved += _lora_input_bytes(len(group), group[0].shape(s)[0], tokens, dropout, c)
+    saved += len(targets) * c * tokens * lora_r  # lora_A outputs, saved by lora_B
+    if c == 2:
+        saved += 2 * sum(lora_r * sum(p.shape(s)) for p in targets)  # bf16 casts of the fp32 adapters
+    return saved
+
+
 def _layer_saved_bytes(
-    s: _Shape,
+    s: Sizes,
     *,
     batch: int,
     seq: int,
-    targets: Sequence[str],
+    targets: Sequence[Projection],
     lora_r: int,
     dropout: bool,
     c: int,
-    family: str,
+    row: Family,
     eager: bool,
     repeat_kv: bool,
     attn_softcap: bool,
@@ -270,11 +231,10 @@ def _layer_saved_bytes(
     Derived op by op from transformers 5.x `GemmaDecoderLayer` (and Gemma 2/3), and checked by counting the
     tensors `torch.autograd.graph.saved_tensors_hooks` sees on the real bitsandbytes + PEFT path:
       RMSNorm: `x.float()` is saved by `pow` and by `x * rsqrt(...)`: 4 bytes/element whatever c is; `* (1 + w)`
-        (w frozen) and `.type_as` save nothing of size T x hidden. 2 norms per layer in Gemma, 4 in Gemma 2 and 3,
-        and Gemma 3 also normalises q and k over head_dim (q_norm / k_norm: 4 bytes x T x (q_dim + kv_dim)).
+        (w frozen) and `.type_as` save nothing of size T x hidden. The family's norms per layer (2 in Gemma, 4 in
+        Gemma 2 and 3), and with QK-norm (Gemma 3) q and k normalised over head_dim (4 bytes x T x (q_dim + kv_dim)).
       4-bit base projections: nothing (bitsandbytes' `MatMul4Bit` keeps only the packed weight).
-      LoRA per targeted projection: lora_A's input (`_lora_input_bytes`), lora_B's input (T x r); under bf16
-        autocast also the bf16 casts of the fp32 A and B (cached per forward, saved by the matmuls).
+      LoRA per targeted projection: `_lora_saved_bytes`.
       RoPE: saves only cos / sin (T x head_dim, shared by all layers; ignored).
       SDPA (flash / memory-efficient / cuDNN kernels): q, k, v and the output + an fp32 logsumexp per head and token;
         no T x T matrix. GQA heads are repeated (`repeat_kv`, then k and v are saved at `heads`) only when a mask
@@ -292,23 +252,10 @@ def _layer_saved_bytes(
       Gemma-7B shape: 3.13 GiB per layer at 2,048 x 8 tokens, this model 3.13.)
     """
     t = batch * seq
-    h, inter = s.hidden, s.inter
-    tset = set(targets)
-    n_norms = 2 if family == "gemma" else 4
-    parts = {"norms": n_norms * (c if compiled else 4) * t * h}
-    if family == "gemma3":
+    parts = {"norms": row.norms_per_layer * (c if compiled else 4) * t * s.hidden}
+    if row.qk_norm:
         parts["norms"] += 4 * t * (s.q_dim + s.kv_dim)
-
-    lora = _lora_input_bytes(sum(x in tset for x in ("q_proj", "k_proj", "v_proj")), h, t, dropout, c)
-    lora += _lora_input_bytes(sum(x in tset for x in ("gate_proj", "up_proj")), h, t, dropout, c)
-    lora += _lora_input_bytes(int("down_proj" in tset), inter, t, dropout, c)
-    if "o_proj" in tset and (dropout or eager):
-        lora += _lora_input_bytes(1, s.q_dim, t, dropout, c)
-    lora += len(tset) * c * t * lora_r  # lora_A outputs, saved by lora_B
-    if c == 2:
-        lin = s.linear_shapes()
-        lora += 2 * sum(lora_r * (lin[x][0] + lin[x][1]) for x in tset)  # bf16 casts of the fp32 adapters
-    parts["lora_inputs"] = lora
+    parts["lora_inputs"] = _lora_saved_bytes(targets, s, tokens=t, lora_r=lora_r, dropout=dropout, c=c, eager=eager)
 
     kv_saved = s.q_dim if repeat_kv else s.kv_dim
     attn = c * t * (2 * s.q_dim + 2 * kv_saved)  # q, k, v, output
@@ -319,7 +266,7 @@ def _layer_saved_bytes(
     else:
         attn += 4 * t * s.heads  # logsumexp
     parts["attention"] = attn
-    parts["mlp"] = (2 if compiled else 3) * c * t * inter
+    parts["mlp"] = (2 if compiled else 3) * c * t * s.inter
     return parts
 
 
@@ -413,8 +360,8 @@ def estimate_memory(
         and bitsandbytes' paged buffers live outside PyTorch's allocator, so `max_memory_allocated` misses them) or
         "paged_adamw_8bit" (2 bytes per parameter + a fp32 absmax per 256 values).
     lora_dropout: > 0 adds a mask and a dropped copy of every adapter input.
-    family / attn_implementation: "gemma" | "gemma2" | "gemma3" (extra norms, softcapping, sliding windows) and
-        "sdpa" | "eager" (eager keeps batch x heads x seq x seq scores per layer).
+    family / attn_implementation: a row of exp.model.families ("gemma" | "gemma2" | "gemma3": its norms, softcaps,
+        sliding windows) and "sdpa" | "eager" (eager keeps batch x heads x seq x seq scores per layer).
     padding_mask: batches carry padding, so the attention mask is materialised; for GQA models transformers then
         repeats the key/value heads before SDPA.
     modules_to_save: PEFT's full trainable copies; `lm_head` / `embed_tokens` copy the vocab x hidden table.
@@ -424,16 +371,15 @@ def estimate_memory(
     offload_checkpoints: what the backward keeps from outside the recomputed layers lives in host memory; one
         checkpointed layer's input at a time comes back to the device.
     """
-    s = _shape(arch)
-    targets = _normalise_targets(lora_targets)
+    row = family_row(family)
+    s = row.sizes(arch)
+    targets = _targets(row, lora_targets)
     if micro_batch_size < 1 or seq_len < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size}, seq_len={seq_len}: both must be >= 1")
     if compute_bytes not in (2, 4):
         raise ValueError(f"compute_bytes={compute_bytes}: 2 (bf16/fp16 mixed) or 4 (fp32)")
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
-    if family not in ("gemma", "gemma2", "gemma3"):
-        raise ValueError(f"family={family!r}: gemma, gemma2 or gemma3")
     if loss_impl not in ("hf", "chunked", "liger"):
         raise ValueError(f"loss_impl={loss_impl!r}: hf, chunked or liger")
     if checkpoint_layers is not None and checkpoint_layers < 0:
@@ -452,20 +398,20 @@ def estimate_memory(
     c = compute_bytes
     t = micro_batch_size * seq_len
     eager = attn_implementation == "eager"
-    attn_softcap = bool(arch.get("attn_logit_softcapping", GEMMA2_ATTN_SOFTCAP if family == "gemma2" else None))
-    final_softcap = bool(arch.get("final_logit_softcapping", GEMMA2_FINAL_SOFTCAP if family == "gemma2" else None))
+    attn_softcap = bool(arch.get("attn_logit_softcapping", row.attn_logit_softcapping))
+    final_softcap = bool(arch.get("final_logit_softcapping", row.final_logit_softcapping))
 
     # Persistent: the frozen weights.
-    lin = s.linear_shapes()
-    layer_weight = sum(_linear_weight_bytes(i, o, quant_type, double_quant, c) for i, o in lin.values())
-    n_norms = 2 if family == "gemma" else 4
-    norm_params = s.layers * (n_norms * s.hidden + (2 * s.head_dim if family == "gemma3" else 0)) + s.hidden
-    emb = s.vocab * s.hidden * c  # loaded in the compute dtype, never quantized, tied to lm_head
+    lin = [p.shape(s) for p in row.projections]
+    layer_weight = sum(_linear_weight_bytes(i, o, quant_type, double_quant, c) for i, o in lin)
+    norm_params = s.layers * (row.norms_per_layer * s.hidden + (2 * s.head_dim if row.qk_norm else 0)) + s.hidden
+    # Loaded in the compute dtype and never quantized; a head tied to it is the same table.
+    emb = (1 if row.tied_head else 2) * s.vocab * s.hidden * c
 
     # Persistent: the trainable state. PEFT keeps adapters in fp32; gradients live from backward to the optimizer
     # step (and across micro-batches when accumulating), so they are counted too.
-    n_train = lora_param_count(arch, lora_r, targets)
-    if any(m in ("lm_head", "embed_tokens") for m in modules_to_save):
+    n_train = row.lora_param_count(s, lora_r, [p.name for p in targets])
+    if any(m in row.vocabulary_modules for m in modules_to_save):
         n_train += s.vocab * s.hidden  # a full trainable copy of the tied table
     if optimizer in ("adamw", "paged_adamw_32bit"):
         opt_per_param = 8.0  # exp_avg + exp_avg_sq in fp32
@@ -476,7 +422,7 @@ def estimate_memory(
 
     est = MemoryEstimate(
         quantized_weights=_ceil_div(s.layers * layer_weight, num_shards),
-        dequantized_weights=dequantized_layers * sum(i * o for i, o in lin.values()) * c if quant_type != "none" else 0,
+        dequantized_weights=dequantized_layers * sum(i * o for i, o in lin) * c if quant_type != "none" else 0,
         embeddings=_ceil_div(emb, num_shards),
         other_weights=_ceil_div(norm_params * c, num_shards),
         lora_params=_ceil_div(4 * n_train, num_shards),
@@ -491,8 +437,8 @@ def estimate_memory(
 
     # Saved activations, per kind of layer: Gemma 2 / 3 alternate sliding-window and global layers; a sliding layer
     # longer than its window needs a materialised mask (and SDPA then gets repeated GQA heads).
-    window = arch.get("sliding_window") if family in SLIDING_PATTERN else None
-    n_global = s.layers // SLIDING_PATTERN[family] if window else s.layers
+    window = arch.get("sliding_window") if row.sliding_window_pattern else None
+    n_global = sum(row.layer_is_global(i, bool(window)) for i in range(s.layers))
     kinds = {
         "global": (n_global, padding_mask),
         "sliding": (s.layers - n_global, padding_mask or (bool(window) and seq_len > int(window))),
@@ -505,27 +451,30 @@ def estimate_memory(
             s,
             batch=micro_batch_size,
             seq=seq_len,
-            targets=targets,
+            targets=[p for p in targets if p.per_layer],
             lora_r=lora_r,
             dropout=lora_dropout > 0,
             c=c,
-            family=family,
+            row=row,
             eager=eager,
             repeat_kv=s.kv_heads < s.heads and (eager or masked),
             attn_softcap=attn_softcap,
             compiled=compiled,
         )
-    # Layer i's kind, as transformers assigns them: Gemma 2 slides on even layers, Gemma 3 is global on every sixth.
-    pattern = SLIDING_PATTERN[family] if window else None
+    # Layer i's kind, as transformers assigns them (the family's sliding-window pattern).
     layer_saved = [
-        sum(per_kind["global" if pattern is None or (i + 1) % pattern == 0 else "sliding"].values())
-        for i in range(s.layers)
+        sum(per_kind["global" if row.layer_is_global(i, bool(window)) else "sliding"].values()) for i in range(s.layers)
     ]
     # Masks transformers materialises (bool for SDPA, compute dtype for eager), one per attention kind in use.
     n_masks = sum(1 for n, m in kinds.values() if n and (m or eager))
     masks = n_masks * micro_batch_size * seq_len * seq_len * (c if eager else 1)
-    # Final norm (not checkpointed): its fp32 input copy. Its output feeds the frozen head, which saves no input.
-    final = 4 * t * s.hidden
+    # Final norm (not checkpointed): its fp32 input copy. Its output feeds the frozen head, which saves no input; a
+    # LoRA on the head saves what a decoder projection's does (its input, lora_A's output, the adapters' casts). Both
+    # are freed by the head's backward, before any layer's.
+    head_lora = _lora_saved_bytes(
+        [p for p in targets if not p.per_layer], s, tokens=t, lora_r=lora_r, dropout=lora_dropout > 0, c=c, eager=eager
+    )
+    final = 4 * t * s.hidden + head_lora
     # Non-reentrant checkpointing keeps each checkpointed layer's input (an argument of its recompute) and nothing
     # else; the first `n_ckpt` layers are checkpointed (exp.model.build), the others keep what they save.
     n_ckpt = (
@@ -543,7 +492,7 @@ def estimate_memory(
     # Phase B's extra: the gradient temporaries of one layer's backward, widest in the MLP: the down-projection
     # input gradient and the two product-rule gradients of `act * up` (3 x T x intermediate), two T x hidden
     # residual gradients, and the weight bitsandbytes dequantizes to multiply the gradient by.
-    largest_weight = max(i * o for i, o in lin.values()) * c if quant_type != "none" else 0
+    largest_weight = max(i * o for i, o in lin) * c if quant_type != "none" else 0
     bwd_temp = 3 * c * t * s.inter + 2 * c * t * s.hidden + largest_weight
     if compiled:
         bwd_temp += int(COMPILED_BACKWARD_EXTRA * c * t * s.inter)
@@ -575,7 +524,8 @@ def estimate_memory(
         "loss_impl": loss_impl,
         "loss_bytes": logits,
         "checkpoint_inputs_bytes": ckpt_inputs,
-        "final_norm_bytes": final,
+        "final_norm_bytes": final - head_lora,
+        "head_lora_bytes": head_lora,
         "mask_bytes": masks,
         "backward_temporaries_bytes": bwd_temp,
         "phase_loss_bytes": phase_loss,

@@ -22,7 +22,6 @@ from exp.core.config import (
     Accelerator,
     HardwareConfig,
     LossImpl,
-    ModelFamily,
     QuantType,
     TrainConfig,
     batch_problems,
@@ -38,6 +37,7 @@ from exp.hardware.memory import (
     most_dequantized_layers,
     suggest_micro_batch,
 )
+from exp.model.families import family_row
 from exp.model.loss_plan import plan_loss_impl
 
 # Exit status of a run stopped by the preflight (2 is a configuration error, 1 a crash).
@@ -569,7 +569,7 @@ def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: 
     if not packed_rows or not on_gpu:
         return
     attn = cfg.model.attn_implementation
-    if attn == "sdpa" and cfg.model.family != ModelFamily.gemma2:
+    if attn == "sdpa" and not family_row(cfg.model.family).softcaps_attention:
         problem = _varlen_problem(env)
         if problem is None:
             cfg.model.attn_implementation = "varlen"
@@ -619,7 +619,7 @@ def _resolve_strategy_and_precision(
     min_cc = min(g.capability for g in used)
     if hw.precision in ("auto", "bf16-mixed") and min_cc < (8, 0):
         # Ampere (8.0) is the first with bf16 tensor cores; torch.cuda.is_bf16_supported() can say yes regardless.
-        if cfg.model.family in (ModelFamily.gemma2, ModelFamily.gemma3):
+        if family_row(cfg.model.family).fp16_overflows:
             findings.append(
                 Finding(
                     "hardware.precision",

@@ -15,7 +15,6 @@ from exp.core.config import (
     ConfigError,
     LoraConfig,
     ModelConfig,
-    ModelFamily,
     QuantizationConfig,
     QuantType,
     TrainConfig,
@@ -24,6 +23,7 @@ from exp.core.config import (
 from exp.core.strategies import strategy_traits
 from exp.model import varlen
 from exp.model.compile_cache import use_compile_cache
+from exp.model.families import family_row
 
 log = logging.getLogger(__name__)
 
@@ -176,27 +176,12 @@ def _disable_cpu_inference_repacking(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def linear_module_names(model: nn.Module) -> set[str]:
-    """Leaf names (`q_proj`, `down_proj`, ...) of the linear layers LoRA can target."""
-    names = set()
-    for full_name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
-            names.add(full_name.rsplit(".", 1)[-1])
-    return names
-
-
-def check_lora_targets(model: nn.Module, cfg: LoraConfig) -> None:
-    """Every target name must match a module; PEFT alone only fails when none of them do."""
-    available = linear_module_names(model)
-    unknown = [t for t in cfg.target_modules if t not in available]
-    if unknown:
-        raise ConfigError(
-            f"lora.target_modules={list(cfg.target_modules)}: {unknown} match no linear layer of this model. "
-            f"Available: {sorted(available)}. Use names from that list, e.g. lora.target_modules=[q_proj,v_proj] "
-            "(or lora=all_linear for every projection)"
-        )
-    for name in cfg.modules_to_save:
-        if name in ("lm_head", "embed_tokens"):
+def warn_full_copies(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> None:
+    """Say how large a vocabulary-sized module in `lora.modules_to_save` is. (`lora.target_modules` was checked against
+    the family's row when the config was composed: exp.run.compose.)"""
+    vocabulary_modules = family_row(cfg.family).vocabulary_modules
+    for name in lora.modules_to_save:
+        if name in vocabulary_modules:
             emb = model.get_input_embeddings().weight
             size_mb = emb.numel() * 4 / 2**20  # trained in fp32 and saved with the adapter
             log.warning(
@@ -246,7 +231,7 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
 
     device = torch.device(device)
     model = load_base_model(cfg, device)
-    check_lora_targets(model, cfg.lora)
+    warn_full_copies(model, cfg.model, cfg.lora)
     model.config.use_cache = False  # a generation KV cache is dead weight in training (and clashes with checkpointing)
     if cfg.hardware.gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (no enable_input_require_grads) and with DDP + LoRA.
@@ -302,19 +287,6 @@ def compile_decoder_layers(model: nn.Module) -> None:
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(model):
         layer.compile()
-
-
-def decoder_layer_class(family: ModelFamily) -> type:
-    """The repeated block of each family: FSDP's wrapping unit."""
-    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
-    from transformers.models.gemma2.modeling_gemma2 import Gemma2DecoderLayer
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
-
-    return {
-        ModelFamily.gemma: GemmaDecoderLayer,
-        ModelFamily.gemma2: Gemma2DecoderLayer,
-        ModelFamily.gemma3: Gemma3DecoderLayer,
-    }[family]
 
 
 def count_parameters(model: nn.Module) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 from exp.core.cache import cache_dir, ensure_entry
 from exp.core.config import ConfigError, ModelFamily
 from exp.data.synthetic import corpus_for_tokenizer
+from exp.model.families import family_row
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +70,12 @@ def build_tokenizer(out_dir: Path):
     return hf_tok
 
 
-def _config_class(family: ModelFamily):
-    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
-
-    return {
-        ModelFamily.gemma: GemmaConfig,
-        ModelFamily.gemma2: Gemma2Config,
-        ModelFamily.gemma3: Gemma3TextConfig,
-    }[family]
+def _config_class(family: ModelFamily) -> type:
+    return family_row(family).config_class()
 
 
-def _model_class(family: ModelFamily):
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
-
-    return {
-        ModelFamily.gemma: GemmaForCausalLM,
-        ModelFamily.gemma2: Gemma2ForCausalLM,
-        ModelFamily.gemma3: Gemma3ForCausalLM,
-    }[family]
+def _model_class(family: ModelFamily) -> type:
+    return family_row(family).model_class()
 
 
 # The checkpoint is written in shards of at most this size, each held whole in host memory while it is written.
@@ -133,12 +122,10 @@ def build_random_checkpoint(family: ModelFamily, arch: dict[str, Any], seed: int
                 "conf/model/gemma_tiny.yaml"
             ) from None
         # From the config object: arch may leave any of these to the family's defaults.
-        hidden, head_dim = config.hidden_size, getattr(config, "head_dim", None) or 64
-        n_params_guess = config.vocab_size * hidden + config.num_hidden_layers * (
-            4 * hidden * head_dim * config.num_attention_heads + 3 * hidden * config.intermediate_size
-        )
+        row = family_row(family)
+        n_params = row.param_count(row.sizes(config.to_dict()))
         # Large shapes are stored in bf16 (as Google ships them); the tiny default in fp32 for exact CPU tests.
-        dtype = torch.bfloat16 if n_params_guess > 50_000_000 else torch.float32
+        dtype = torch.bfloat16 if n_params > 50_000_000 else torch.float32
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         # Drawing billions of random weights takes minutes on a CPU and seconds on a GPU. (The values differ

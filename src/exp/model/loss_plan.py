@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from exp.core.config import LossImpl, TrainConfig
 from exp.core.strategies import strategy_traits
+from exp.model.families import family_row
 
 # liger's fused loss computes the head's logits and their gradient one chunk of tokens at a time, reading the whole
 # [vocab, hidden] head weight twice per chunk. By default it cuts ceil(vocab / hidden) chunks whatever the number of
@@ -59,9 +60,10 @@ def plan_loss_impl(cfg: TrainConfig, on_cuda: bool) -> LossChoice:
     if not strategy_traits(hw.strategy).whole_weights_on_each_rank:
         # The head's weight lives in FSDP's root unit; using it outside the head's forward is not tested.
         return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} is not used with FSDP (not verified)")
-    if "lm_head" in lora.target_modules or "lm_head" in lora.modules_to_save:
+    head = family_row(cfg.model.family).head.name
+    if head in lora.target_modules or head in lora.modules_to_save:
         # A trained head is wrapped (LoRA) or copied (modules_to_save): its weight alone is not the head.
-        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} needs a plain head: lm_head is trained")
+        return LossChoice(LossImpl.hf, f"hardware.loss_impl={wanted.value} needs a plain head: {head} is trained")
     if wanted == LossImpl.chunked:
         return LossChoice(LossImpl.chunked, "hardware.loss_impl=chunked")
     if not on_cuda:

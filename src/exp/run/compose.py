@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
 from exp.core.constants import CONF_DIR
 from exp.core.secrets import secret_value_problems
+from exp.model.families import family_problems
 from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
 from exp.run.overrides import check_cli_overrides, composition_error
 
@@ -64,6 +65,10 @@ def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
 
     cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
     if problems := secret_value_problems(config_dict(cfg)):
+        raise ConfigError("\n".join(problems))
+    # The model family's rules (its LoRA targets, the attention kernels it can use) live with its row in
+    # exp.model.families, above the schema's layer: checked here, once, for every composed config.
+    if problems := family_problems(cfg):
         raise ConfigError("\n".join(problems))
     return resolve_paths(cfg, launch_dir)
 

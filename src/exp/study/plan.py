@@ -132,7 +132,7 @@ def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord])
         assert job.cfg is not None
         try:
             job.memory = job_memory(job.cfg, pool.gpu, pool.headroom, records)
-        except ConfigError as e:  # what the model build would refuse (a LoRA target it lacks): this job fails alone
+        except ConfigError as e:  # what the estimate refuses (a LoRA target the family lacks): this job fails alone
             job.cfg, job.error = None, str(e)
             continue
         on = "cpu" if job.cfg.hardware.accelerator == Accelerator.cpu else device

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from exp.model.families import GEMMA_DECODER_PROJECTIONS, family_of_model_type
+
+ALL_PROJECTIONS = [p.name for p in GEMMA_DECODER_PROJECTIONS]
 
 
 def token_batch(step: int, seed: int, micro_batch: int, seq: int, vocab: int) -> torch.Tensor:
@@ -40,7 +42,7 @@ def token_batch(step: int, seed: int, micro_batch: int, seq: int, vocab: int) ->
 class BaselineOptions:
     prepare: bool = True  # peft.prepare_model_for_kbit_training (false: only enable_input_require_grads)
     ckpt: bool = True  # full gradient checkpointing of every decoder layer
-    liger: bool = False  # liger_kernel.transformers.apply_liger_kernel_to_gemma (its fused CE, RMSNorm, GeGLU, RoPE)
+    liger: bool = False  # liger-kernel's patch of the model's family (its fused CE, RMSNorm, GeGLU, RoPE)
     compile: bool = False  # torch.compile of every decoder layer
 
     @classmethod
@@ -119,14 +121,16 @@ def run_baseline(
     loss-bearing tokens (`val_loss`).
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     if options.liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_gemma
+        import liger_kernel.transformers  # only for the liger lever (a CUDA package)
 
-        apply_liger_kernel_to_gemma()
+        # The patch of the checkpoint's family (liger_kernel.transformers.apply_liger_kernel_to_gemma, ...).
+        patch = family_of_model_type(AutoConfig.from_pretrained(checkpoint).model_type).liger_patch
+        getattr(liger_kernel.transformers, patch)()
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",

@@ -10,7 +10,8 @@ from lightning.pytorch.plugins.precision import Precision
 
 from exp.core.config import Accelerator, TrainConfig
 from exp.core.strategies import Strategy, strategy_traits
-from exp.model.build import compute_dtype, decoder_layer_class
+from exp.model.build import compute_dtype
+from exp.model.families import family_row
 from exp.run.checkpoints import AtomicCheckpointIO, build_checkpoint_callbacks
 from exp.run.logs import StepProgressBar
 from exp.training.fsdp import QLoRAFSDPStrategy
@@ -34,7 +35,7 @@ def build_strategy(cfg: TrainConfig):
 
         dtype = compute_dtype(hw.precision)
         return QLoRAFSDPStrategy(
-            auto_wrap_policy={decoder_layer_class(cfg.model.family)},
+            auto_wrap_policy={family_row(cfg.model.family).decoder_layer_class()},
             # Frozen 4-bit and trainable adapter weights share a wrapped layer: keep the original parameters.
             use_orig_params=True,
             # Lightning's bf16-mixed would cast every flat parameter to fp32 before forward, which would turn the
