@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from exp.bench import Settings, compare, markdown, reference_rows
+from exp.bench.cli import Settings, compare, markdown, reference_rows
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,7 @@ and every process's peak memory is its own) on the same model shape, LoRA settin
 step i is `bench_baseline.token_batch(i, seed, ...)`, labels = inputs, for both sides. The model (random weights
 in the published architecture, `model.random_init=true`) is built once into exp's cache by the first variant.
 
-* `baseline` is exp.training.baseline_loop: the plain transformers + PEFT + bitsandbytes loop a user
+* `baseline` is exp.bench.baseline_loop: the plain transformers + PEFT + bitsandbytes loop a user
   writes by hand; `baseline prepare=false` etc. switch its levers.
 * `exp` is `python -m exp.train`'s code: the config composed from conf/ (hardware=gpu on a GPU, cpu otherwise) plus
   the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build.build_model` in
@@ -41,9 +41,9 @@ from typing import Any
 
 from exp.core.cli import USAGE_EXIT, Key, Tool, dotted, parse
 from exp.core.config import Accelerator, ConfigError
-from exp.training.baseline_loop import ALL_PROJECTIONS
+from exp.bench.baseline_loop import ALL_PROJECTIONS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Dense bf16 matmul throughput an H200 reaches (8192^3 products through PyTorch, measured at 769-798 TFLOP/s):
 # MFU's denominator. Pass peak_tflops= for another GPU.
 H200_BF16_TFLOPS = 790.0
@@ -177,7 +177,7 @@ class Variant:
             raise ValueError(f"variant {text!r}: must start with 'baseline' or 'exp'")
         if side == "baseline":
             # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-            from exp.training.baseline_loop import BaselineOptions
+            from exp.bench.baseline_loop import BaselineOptions
 
             BaselineOptions.parse(options)  # raises on a bad option, before anything runs
         else:
@@ -266,7 +266,7 @@ def baseline_real_batches(settings: Settings):
 
 def run_baseline_worker(settings: Settings, variant: Variant) -> dict[str, Any]:
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-    from exp.training.baseline_loop import BaselineOptions, run_baseline
+    from exp.bench.baseline_loop import BaselineOptions, run_baseline
 
     checkpoint, _, build_s = _checkpoint_and_vocab(settings)
     batches, val = baseline_real_batches(settings) if settings.data_path else (None, None)
@@ -301,7 +301,7 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path) -> dict
     from exp.model.build import decoder_layers, quiet_third_party_logs
     from exp.run.compose import compose_config, config_dict
     from exp.run.tracking import build_loggers
-    from exp.training.baseline_loop import token_batch
+    from exp.bench.baseline_loop import token_batch
     from exp.training.module import QLoRAModule
     from exp.training.trainer import build_trainer
 
@@ -469,7 +469,7 @@ def step_clock(warmup: int, cuda: bool, accumulate: int = 1, profile: bool = Fal
     import torch
 
     # torch, transformers and Lightning load in the process that measures, not for --help or a bad argument
-    from exp.training.baseline_loop import lora_b_norm, lora_fingerprint
+    from exp.bench.baseline_loop import lora_b_norm, lora_fingerprint
 
     def sync() -> None:
         if cuda:
