@@ -304,18 +304,18 @@ def test_bench_refuses_a_model_this_machine_cannot_hold_before_any_worker(
     """gemma_7b (8.5 B parameters: 15.9 GiB in bf16, 6.4 GiB resident in 4-bit with its adapters) against faked
     memory figures, through `exp.bench.cli.main`: the CUDA side runs on a machine without a GPU."""
     import exp.bench.cli
-    import exp.model.local
+    import exp.bench.memory_check
+    from exp.bench.memory_check import MemoryFigures, memory_problem
+    from exp.bench.variants import Settings
 
     gib = 2**30
-    figures = exp.bench.cli.MemoryFigures(host_gib and host_gib * gib, gpu_gib and gpu_gib * gib)
+    figures = MemoryFigures(host_gib and host_gib * gib, gpu_gib and gpu_gib * gib)
     monkeypatch.setattr(exp.bench.cli, "memory_figures", lambda d: figures if d == device else pytest.fail(d))
     if built:  # the random checkpoint is in exp's cache already
-        monkeypatch.setattr(exp.model.local, "random_checkpoint_dir", lambda *a: tmp_path)
+        monkeypatch.setattr(exp.bench.memory_check, "random_checkpoint_dir", lambda *a: tmp_path)
     if not says:  # past the check the bench would start its workers: the check alone is asked
-        from exp.run.compose import compose_config
-
-        cfg = compose_config(exp.bench.cli.Settings(model="gemma_7b", device=device).exp_overrides(), exp.bench.cli.ROOT)
-        assert exp.bench.cli.memory_problem(cfg, device, figures) == ""
+        cfg = Settings(model="gemma_7b", device=device).exp_config()
+        assert memory_problem(cfg, device, figures) == ""
         return
     out = tmp_path / "results"
     argv = ["model=gemma_7b", "steps=2", "warmup=0", f"device={device}", f"out_dir={out}"]

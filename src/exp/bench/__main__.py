@@ -1,4 +1,4 @@
-"""`python -m exp.bench`: see exp.bench.cli."""
+"""`python -m exp.bench` (exp.bench.cli), and each variant's worker process (`worker=<spec>`)."""
 
 import sys
 

@@ -15,15 +15,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
 from omegaconf import OmegaConf
 
 from exp.core.config import ConfigError, LoggerKind, Strategy, TrainConfig
 from exp.core.secrets import mask_secrets
-from exp.data.datamodule import build_run_datamodule
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
-from exp.model.build import build_tokenizer, quiet_third_party_logs
+from exp.model.build import quiet_third_party_logs
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, write_run_config
 from exp.run.dirs import RESUME_RECORD, RunLayout, read_status, write_json, write_status
@@ -37,11 +35,11 @@ from exp.run.tracking import (
     write_manifest,
 )
 from exp.training.faults import TrainingFault, oom_diagnosis
+from exp.training.fit import build_fit
 from exp.training.fsdp import gather_trainable, save_peft_adapter
 from exp.training.launch import close_process_group, launch_workers, needs_launch
 from exp.training.module import QLoRAModule, continued_schedule_note
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
-from exp.training.trainer import build_trainer
 
 log = logging.getLogger("exp.train")
 
@@ -83,39 +81,34 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
     ok = preempted = False
     try:
         GUARD.stop_now()  # a signal that arrived while the run was being recorded
-        L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-        GUARD.phase = "model build"
-        tokenizer = build_tokenizer(cfg.model)
-        GUARD.phase = "data preparation"
-        datamodule = build_run_datamodule(cfg, tokenizer)
-        GUARD.phase = "start-up"
         checkpoint = Path(resume["checkpoint"]) if resume else None
         tracking_ids = dict(resume["tracking_ids"]) if resume else {}
         if cfg.logger.kind == LoggerKind.wandb:
             tracking_ids.setdefault("wandb", new_wandb_run_id())
-        # The module holds no model yet: `trainer.fit` calls its `configure_model` hook on the device the strategy
-        # chose, which builds the 4-bit model there once (exp.model.build.build_model).
-        module = QLoRAModule(
+        run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
+
+        def run_loggers(module: QLoRAModule) -> list:
+            # Kept in `loggers`, which `finally` finishes, also when the Trainer's build fails after them.
+            loggers.extend(
+                build_loggers(
+                    cfg.logger,
+                    output_dir,
+                    run_name,
+                    config,
+                    cfg.experiment_name,
+                    module.tracking_ids.get("wandb"),
+                    steps_done=lambda: module.trainer.global_step,
+                )
+            )
+            return [*loggers, RecordMetrics(lambda: module.trainer.global_step)]
+
+        tokenizer, datamodule, module, trainer = build_fit(
             cfg,
+            output_dir,
+            run_loggers,
             tracking_ids=tracking_ids,
             last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
-        )
-        run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
-        loggers = build_loggers(
-            cfg.logger,
-            output_dir,
-            run_name,
-            config,
-            cfg.experiment_name,
-            module.tracking_ids.get("wandb"),
-            steps_done=lambda: module.trainer.global_step,
-        )
-        trainer = build_trainer(
-            cfg,
-            output_dir,
-            [*loggers, RecordMetrics(lambda: module.trainer.global_step)],
             resuming=checkpoint is not None,
-            accumulate=datamodule.flat_accumulation,
         )
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)
