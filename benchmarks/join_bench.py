@@ -4,10 +4,10 @@
 
 The hand-written loop's 200 real-data steps take longer than one GPU command may run, so they are measured in parts
 (`exp.bench first_step=N variant=baseline`); exp's 200 steps in one invocation. This joins the parts into one
-baseline row (`exp.bench.join_parts`: the steps' times and real tokens end to end) and writes the report exp.bench
-would have written had both sides run in one invocation (`reference=` with the parts does that on the GPU):
-`<EXP_JSON stem>-joined.json` and `.md` beside EXP_JSON. The parts must have exp's settings and, in order, cover
-its steps.
+baseline row (`exp.bench.report.join_parts`: the steps' times and real tokens end to end) and writes the report
+exp.bench would have written had both sides run in one invocation (`reference=` with the parts does that on the
+GPU): `<EXP_JSON stem>-joined.json` and `.md` beside EXP_JSON. The parts must have exp's settings and, in order,
+cover its steps.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from exp.bench import Settings, compare, markdown, reference_rows
+from exp.bench.markdown import markdown
+from exp.bench.report import compare, reference_rows
+from exp.bench.variants import Settings
 
 
 def main(argv: list[str]) -> int:

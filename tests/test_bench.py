@@ -167,7 +167,7 @@ def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
 
 
 def test_flops_per_token_of_the_gemma_7b_shape():
-    from exp.bench import model_flops_per_token
+    from exp.bench.report import model_flops_per_token
     from exp.hardware.memory import config_arch
 
     arch = config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
@@ -440,7 +440,8 @@ def bench_result(path: Path, side: str, first_step: int, steps: int, *, fingerpr
     step times, real tokens and losses that depend on the step only."""
     from dataclasses import asdict
 
-    from exp.bench import Settings, summarise
+    from exp.bench.report import summarise
+    from exp.bench.variants import Settings
 
     run = Settings(model="gemma_tiny", seq=64, steps=steps, warmup=1, data_path="d.json", first_step=first_step,
                    device="cpu")  # fmt: skip

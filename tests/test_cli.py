@@ -13,17 +13,21 @@ import pytest
 TOOLS = ["exp.evaluate", "exp.generate", "exp.merge", "exp.report", "exp.bench", "exp.doctor", "exp.preview"]
 
 
+# The module holding a command's `main`, where the command is a package.
+MAIN = {"exp.bench": "exp.bench.cli"}
+
+
 def exit_status(module: str, argv: list[str]) -> int:
     """The tool's main() as `python -m <module> <argv>` runs it."""
     try:
-        code = importlib.import_module(module).main(argv)
+        code = importlib.import_module(MAIN.get(module, module)).main(argv)
     except SystemExit as e:
         code = e.code
     return code or 0
 
 
 def tool_of(module: str):
-    mod = importlib.import_module(module)
+    mod = importlib.import_module(MAIN.get(module, module))
     return mod.bench_tool() if module == "exp.bench" else mod.TOOL
 
 

@@ -276,7 +276,7 @@ def check_run_command(cmd: DocCommand, args: list[str], module: str) -> None:
 
 
 def check_bench(args: list[str], tmp_path, monkeypatch) -> None:
-    from exp.bench import parse_args
+    from exp.bench.cli import parse_args
 
     data = next((a.split("=", 1)[1] for a in args if a.startswith("data=")), None)
     if data is not None:  # real-data mode: the file must exist (the README's example of the format stands in)

@@ -89,8 +89,8 @@ def test_lora_init_does_not_depend_on_the_default_device():
     be drawn as on the CPU (same lora.init_seed, same adapters, whatever the machine)."""
     from conftest import compose_typed
 
+    from exp.bench.baseline_loop import lora_fingerprint
     from exp.model.build import build_model
-    from exp.training.baseline_loop import lora_fingerprint
 
     cfg = compose_typed(["hardware=gpu", "hardware.precision=bf16-mixed", "logger=csv"])
     # The same config on the CPU (bf16 too: PEFT rounds the adapters through the base's dtype before upcasting).

@@ -353,7 +353,7 @@ def test_compiled_layers_match_the_h200_bench():
     c-byte input; against the peaks exp.bench measured on an H200 (benchmarks/results/bench-gemma_7b-2048x8-20261201-162521)."""
     import json
 
-    from exp.training.baseline_loop import ALL_PROJECTIONS
+    from exp.bench.baseline_loop import ALL_PROJECTIONS
 
     arch = memory.config_arch(compose_typed(["model=gemma_7b", "model.random_init=true"]))
     common = dict(quant_type="nf4", double_quant=True, lora_r=16, lora_targets=ALL_PROJECTIONS, micro_batch_size=8,

@@ -26,6 +26,7 @@ from conftest import SHORT
 
 import exp.data.encoding
 import exp.train
+import exp.training.fit
 import exp.training.module
 import exp.training.pipeline
 from exp.train import run
@@ -75,7 +76,7 @@ def fiftieth_row():
 BEFORE_TRAINING = [
     (
         "data",
-        exp.training.pipeline,
+        exp.training.fit,
         "build_run_datamodule",
         signal.SIGINT,
         "data preparation",

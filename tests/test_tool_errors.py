@@ -277,7 +277,7 @@ def test_random_init_too_large_for_the_gpu_is_drawn_on_the_cpu(monkeypatch, tmp_
 
 
 def test_bench_refuses_an_unknown_lora_target_before_any_worker(tmp_path, capsys):
-    from exp.bench import main
+    from exp.bench.cli import main
 
     argv = ["model=gemma_tiny", "lora_targets=qv_proj", "steps=2", "warmup=0", "device=cpu", f"out_dir={tmp_path}"]
     assert main(argv) == 2
@@ -303,24 +303,24 @@ def test_bench_refuses_a_model_this_machine_cannot_hold_before_any_worker(
     tmp_path, capsys, monkeypatch, device, built, host_gib, gpu_gib, says
 ):
     """gemma_7b (8.5 B parameters: 15.9 GiB in bf16, 6.4 GiB resident in 4-bit with its adapters) against faked
-    memory figures, through `exp.bench.main`: the CUDA side runs on a machine without a GPU."""
-    import exp.bench
-    import exp.model.local
+    memory figures, through `exp.bench.cli.main`: the CUDA side runs on a machine without a GPU."""
+    import exp.bench.cli
+    import exp.bench.memory_check
+    from exp.bench.memory_check import MemoryFigures, memory_problem
+    from exp.bench.variants import Settings
 
     gib = 2**30
-    figures = exp.bench.MemoryFigures(host_gib and host_gib * gib, gpu_gib and gpu_gib * gib)
-    monkeypatch.setattr(exp.bench, "memory_figures", lambda d: figures if d == device else pytest.fail(d))
+    figures = MemoryFigures(host_gib and host_gib * gib, gpu_gib and gpu_gib * gib)
+    monkeypatch.setattr(exp.bench.cli, "memory_figures", lambda d: figures if d == device else pytest.fail(d))
     if built:  # the random checkpoint is in exp's cache already
-        monkeypatch.setattr(exp.model.local, "random_checkpoint_dir", lambda *a: tmp_path)
+        monkeypatch.setattr(exp.bench.memory_check, "random_checkpoint_dir", lambda *a: tmp_path)
     if not says:  # past the check the bench would start its workers: the check alone is asked
-        from exp.run.compose import compose_config
-
-        cfg = compose_config(exp.bench.Settings(model="gemma_7b", device=device).exp_overrides(), exp.bench.ROOT)
-        assert exp.bench.memory_problem(cfg, device, figures) == ""
+        cfg = Settings(model="gemma_7b", device=device).exp_config()
+        assert memory_problem(cfg, device, figures) == ""
         return
     out = tmp_path / "results"
     argv = ["model=gemma_7b", "steps=2", "warmup=0", f"device={device}", f"out_dir={out}"]
-    assert exp.bench.main(argv) == 2
+    assert exp.bench.cli.main(argv) == 2
     (message,) = capsys.readouterr().err.strip().splitlines()
     assert message.startswith("exp: error: exp.bench: model=gemma_7b: ") and says in message, message
     assert "Fix: " in message and "model=gemma_tiny" in message

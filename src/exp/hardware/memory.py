@@ -35,7 +35,7 @@ holds one chunk of logits, B is usually the peak.
 
 Checked: the per-layer saved bytes against `torch.autograd.graph.saved_tensors_hooks` counts on the real
 bitsandbytes + PEFT path (CPU; Gemma / Gemma 2 eager / Gemma 3, bf16 and fp32, GQA, dropout, masks: within 1%);
-the allocator peaks of the hand-written baseline loop (exp.training.baseline_loop), which runs without autocast
+the allocator peaks of the hand-written baseline loop (exp.bench.baseline_loop), which runs without autocast
 after `prepare_model_for_kbit_training` (= `compute_bytes=4` here), within 0.2%; exp's bf16-autocast path on a GPU
 with benchmarks/memory_calibration.py (docs/bench.md).
 """

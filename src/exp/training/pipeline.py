@@ -14,16 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
 from omegaconf import OmegaConf
 
 from exp.core.config import ConfigError, LoggerKind, TrainConfig
 from exp.core.secrets import mask_secrets
 from exp.core.strategies import strategy_traits
-from exp.data.datamodule import build_run_datamodule
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
-from exp.model.build import build_tokenizer, quiet_third_party_logs
+from exp.model.build import quiet_third_party_logs
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, write_run_config
 from exp.run.dirs import RESUME_RECORD, RunLayout, write_json
@@ -31,12 +29,12 @@ from exp.run.logs import RECORD, RecordMetrics, run_log
 from exp.run.resume import resolve
 from exp.run.tracking import build_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
 from exp.training.faults import TrainingFault, oom_diagnosis
+from exp.training.fit import build_fit
 from exp.training.fsdp import gather_trainable, save_peft_adapter
 from exp.training.launch import close_process_group, launch_workers, needs_launch
 from exp.training.lifecycle import RunLifecycle, record_refused
 from exp.training.module import QLoRAModule, continued_schedule_note
 from exp.training.signals import GUARD, REQUEUE_EXIT, Preempted
-from exp.training.trainer import build_trainer
 
 log = logging.getLogger("exp.train")
 
@@ -74,32 +72,32 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
     resume = read_resume_record(output_dir)
     with RunLifecycle(output_dir, owns_status=manage_run_dir, resume=resume) as run:
         GUARD.stop_now()  # a signal that arrived while the run was being recorded
-        L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-        GUARD.phase = "model build"
-        tokenizer = build_tokenizer(cfg.model)
-        GUARD.phase = "data preparation"
-        datamodule = build_run_datamodule(cfg, tokenizer)
-        GUARD.phase = "start-up"
         checkpoint = Path(resume["checkpoint"]) if resume else None
-        module = _build_module(cfg, output_dir, resume, checkpoint)
         run_name = cfg.logger.run_name or "-".join(filter(None, [cfg.experiment_name, cfg.model.name, output_dir.name]))
-        run.track(
-            build_loggers(
-                cfg.logger,
-                output_dir,
-                run_name,
-                config_dict(cfg),
-                cfg.experiment_name,
-                module.tracking_ids.get("wandb"),
-                steps_done=lambda: module.trainer.global_step,
+
+        def run_loggers(module: QLoRAModule) -> list:
+            # Tracked by the lifecycle as soon as they exist, which finishes them however the run ends (also when
+            # the Trainer's build fails after them).
+            run.track(
+                build_loggers(
+                    cfg.logger,
+                    output_dir,
+                    run_name,
+                    config_dict(cfg),
+                    cfg.experiment_name,
+                    module.tracking_ids.get("wandb"),
+                    steps_done=lambda: module.trainer.global_step,
+                )
             )
-        )
-        trainer = build_trainer(
+            return [*run.loggers, RecordMetrics(lambda: module.trainer.global_step)]
+
+        tokenizer, datamodule, module, trainer = build_fit(
             cfg,
             output_dir,
-            [*run.loggers, RecordMetrics(lambda: module.trainer.global_step)],
+            run_loggers,
+            tracking_ids=_tracking_ids(cfg, resume),
+            last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
             resuming=checkpoint is not None,
-            accumulate=datamodule.flat_accumulation,
         )
         if trainer.is_global_zero:
             write_manifest(output_dir, tokenizer, cfg.data)
@@ -127,17 +125,12 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         return result
 
 
-def _build_module(cfg: TrainConfig, output_dir: Path, resume: dict | None, checkpoint: Path | None) -> QLoRAModule:
-    """The LightningModule, holding no model yet: `trainer.fit` calls its `configure_model` hook on the device the
-    strategy chose, which builds the 4-bit model there once (exp.model.build.build_model)."""
+def _tracking_ids(cfg: TrainConfig, resume: dict | None) -> dict[str, str]:
+    """The run's ids in its trackers: a resumed run keeps its own (the W&B run goes on); a new W&B run gets one."""
     tracking_ids = dict(resume["tracking_ids"]) if resume else {}
     if cfg.logger.kind == LoggerKind.wandb:
         tracking_ids.setdefault("wandb", new_wandb_run_id())
-    return QLoRAModule(
-        cfg,
-        tracking_ids=tracking_ids,
-        last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
-    )
+    return tracking_ids
 
 
 def _fit_and_validate(cfg: TrainConfig, trainer, module, datamodule, checkpoint: Path | None) -> None:
