@@ -57,6 +57,12 @@
 #                machine it goes on with the one-at-a-time arm (benchmarks/study_check.sh); nvidia-smi sampled
 #                once a second during both; exp.report of each; each job's final val/loss packed vs alone
 #                (outputs/gpu_study/study_compare.json; $OUT/study.tgz: the study without its weights)
+#   grouptests   python -m pytest -m gpu tests/test_gpu_group.py: jobs sharing one base on the GPU against each job alone
+#   groupstudy   docs/sweeps.md's 16-job study with hydra.launcher.share_base=true (benchmarks/group_check.sh 2b grouped),
+#                against the packed arm recorded in $GROUP_REFERENCE (default: benchmarks/results/study_h200_20261202b/packed)
+#                and, when asked for with GROUP_ARMS="grouped packed", the packed arm again on this machine
+#   group7b      the same grid, 8 jobs on the Gemma-7B shape, 30 steps: grouped and packed (benchmarks/group_check.sh 7b)
+#                ($OUT/group_<shape>.tgz: the arms without their weights)
 #
 # Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
 # calibration JSON/Markdown, pytest and command logs, run summaries). Each stage has a time limit
@@ -134,7 +140,7 @@ BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -219,6 +225,16 @@ run_stage() {
       # Everything but the weights (checkpoints, adapters, tokenizer files), for exp.report on another machine.
       tar -czf "$OUT/study.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
         --exclude='*.partial' outputs/gpu_study $(cd "$ROOT" && ls -d multirun/study_warmup_* 2>/dev/null) ;;
+    grouptests)
+      stage grouptests 400 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/test_gpu_group.py ;;
+    groupstudy|group7b)
+      shape=2b; [ "$1" = group7b ] && shape=7b
+      arms=${GROUP_ARMS:-grouped}; [ "$1" = group7b ] && arms=${GROUP_ARMS:-grouped packed}
+      ref=""; [ "$shape" = 2b ] && ref=${GROUP_REFERENCE:-$ROOT/benchmarks/results/study_h200_20261202b/packed}
+      stage "$1" 560 env GROUP_REFERENCE="$ref" bash benchmarks/group_check.sh "$ROOT/outputs/gpu_group_$shape" "$ALPACA" \
+        "$shape" $arms
+      tar -czf "$OUT/group_$shape.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
+        --exclude='*.partial' "outputs/gpu_group_$shape" ;;
     realpf)
       # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, and the synthetic
       # 2048 x 8 figure of the same build for the ratio.

@@ -1035,6 +1035,36 @@ def packed_plan() -> str:
     return f"{intro}\n\n```\n$ {plan.command}\n{shown}\n```\n\n{note}"
 
 
+GROUPED = PACKED.replace("hydra.launcher.pack=true ", "hydra.launcher.share_base=true ").replace(
+    "'hydra.launcher.memory_gib=[1.25]' ", ""
+)
+
+
+@functools.cache
+def grouped_study() -> Session:
+    """The packed study's jobs sharing one base: the plan, the study, its report."""
+    session = Session("grouped-study")
+    session.run(GROUPED.format(seeds=2, lrs="2e-3,5e-3", dir="multirun/grouped") + " --plan")
+    session.run(GROUPED.format(seeds=2, lrs="2e-3,5e-3", dir="multirun/grouped"))
+    session.run("python -m exp.report multirun/grouped")
+    return session
+
+
+@figure("grouped-study", "docs/sweeps.md")
+def grouped_study_block() -> str:
+    plan, launch, report = grouped_study().done
+    hydra = re.compile(r"^(\[[\d-]+ [\d:,]+\])?\[HYDRA\]")
+    shown = [line for line in launch.lines() if hydra.match(line) and " plan: " not in line]
+    plan_lines = elide_rows(plan.lines(), re.compile(r"^\d+_trainer"))
+    return (
+        f"```\n$ {plan.command}\n"
+        + "\n".join(plan_lines)
+        + f"\n\n$ {launch.command}\n"
+        + "\n".join(shown)
+        + f"\n\n{report.shown()}\n```"
+    )
+
+
 # --- docs/bench.md ------------------------------------------------------------------------------------------------
 
 BENCH = (

@@ -22,6 +22,7 @@ from exp.core.config import (
 )
 from exp.core.strategies import strategy_traits
 from exp.model import varlen
+from exp.model.adapters import add_adapters
 from exp.model.compile_cache import use_compile_cache
 from exp.model.families import family_row
 
@@ -225,8 +226,13 @@ def limit_checkpointed_layers(model: nn.Module, count: int | None) -> None:
         layer.gradient_checkpointing = i < count
 
 
-def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Module:
-    """The trainable model: base loaded on `device` + LoRA adapters, in train mode, checkpointing as configured."""
+def build_model(
+    cfg: TrainConfig, device: torch.device | str = "cpu", adapters: dict[str, LoraConfig] | None = None
+) -> nn.Module:
+    """The trainable model: base loaded on `device` + LoRA adapters, in train mode, checkpointing as configured.
+
+    `adapters`: several named adapters over the one base, all trainable (a study's jobs trained together,
+    exp.model.adapters), instead of the one `cfg.lora` adapter named "default"."""
     from peft import get_peft_model
 
     device = torch.device(device)
@@ -242,9 +248,12 @@ def build_model(cfg: TrainConfig, device: torch.device | str = "cpu") -> nn.Modu
     # the CPU and then moved next to their base layer (PEFT does), so they are the same on every device: Lightning
     # calls configure_model with the strategy's device as torch's default device, where the draws would come from
     # that device's generator instead.
+    (first, first_lora), *others = (adapters or {"default": cfg.lora}).items()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.manual_seed(cfg.lora.init_seed)
-        model = get_peft_model(model, build_lora_config(cfg.lora))
+        torch.manual_seed(first_lora.init_seed)
+        model = get_peft_model(model, build_lora_config(first_lora), adapter_name=first)
+    if others:
+        add_adapters(model, dict(others), build_lora_config)
     if cfg.hardware.dequantized_layers:
         # needed on this path only (the random-weight builder; bitsandbytes classes for kept weights)
         from exp.model.dequantized import keep_dequantized

@@ -86,11 +86,14 @@ def build_loggers(
     experiment: str | None = None,
     wandb_run_id: str | None = None,
     steps_done: Callable[[], int] | None = None,
+    beside_others: bool = False,
 ) -> list:
     """Lightning loggers for `logger.kind`; all files stay inside `output_dir`.
 
     `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
     `steps_done`: the optimiser steps completed, which number the rows of csv/metrics.csv (exp.run.csv_record).
+    `beside_others`: this process tracks several runs at once (a group of jobs sharing one base), so each W&B run
+    is a run of its own rather than the process's one run.
     """
     from exp.run.csv_record import AtomicCSVLogger  # Lightning's CSVLogger: only once a run builds its loggers
 
@@ -131,6 +134,7 @@ def build_loggers(
                 log_model=False,
                 id=wandb_run_id,
                 resume="allow" if wandb_run_id else None,
+                **({"reinit": "create_new"} if beside_others else {}),
             )
         )
         # Lightning passes W&B `anonymous=None`, which wandb (0.2x on) answers with a warning at every run that the
@@ -147,12 +151,13 @@ def finish_loggers(loggers: list, ok: bool, preempted: bool = False) -> None:
     """
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger":
-            import wandb
-
-            if wandb.run is not None:
+            # The logger's own run (started at its first use; none if it logged nothing): with several runs in one
+            # process, wandb.run is only the latest.
+            run = getattr(logger, "_experiment", None)
+            if run is not None and not getattr(run, "_is_finished", False):
                 if preempted:
-                    wandb.run.mark_preempting()
-                wandb.finish(exit_code=0 if ok else 1)
+                    run.mark_preempting()
+                run.finish(exit_code=0 if ok else 1)
 
 
 def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> None:

@@ -120,12 +120,8 @@ def memory_demand(
         resolved = check(copy.deepcopy(cfg), Environment()).cfg
         est = estimate_for_config(resolved)
         return MemoryDemand(est.total, est.allocated, int(est.total * (1 + headroom)), None, _choices(resolved))
-    trial = copy.deepcopy(cfg)
-    own_budget = trial.hardware.memory_budget_gib
-    # As if alone on the GPU: the job's budget then comes from the config, not from what others hold now, so a
-    # re-launch makes the same choices.
-    env = Environment(torch_cuda="probe", gpus=[Gpu(gpu.name, gpu.total_bytes, gpu.total_bytes, gpu.capability)])
-    result = check(trial, env)
+    own_budget = cfg.hardware.memory_budget_gib
+    result = resolve_alone(cfg, gpu)
     resolved = result.cfg
     est = estimate_for_config(resolved)
     problem = "; ".join(f.message.splitlines()[0] for f in result.findings)
@@ -145,6 +141,15 @@ def memory_demand(
         top = max(peaks, key=lambda r: (r.peak_bytes, r.source))
         demand = demand.measured(top.peak_bytes, top.source, headroom)
     return demand
+
+
+def resolve_alone(cfg: TrainConfig, gpu: Gpu | None):
+    """The preflight's result for `cfg` as if the job were alone on `gpu` (None: on what this process sees): its
+    budget then comes from the config, not from what others hold now, so a re-launch makes the same choices."""
+    if gpu is None or cfg.hardware.accelerator == Accelerator.cpu:
+        return check(copy.deepcopy(cfg), Environment())
+    env = Environment(torch_cuda="probe", gpus=[Gpu(gpu.name, gpu.total_bytes, gpu.total_bytes, gpu.capability)])
+    return check(copy.deepcopy(cfg), env)
 
 
 def _choices(cfg: TrainConfig) -> str:

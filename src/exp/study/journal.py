@@ -64,9 +64,15 @@ def last_launch(sweep_dir: Path) -> Launch | None:
         return None
     plan = plans[-1]
     mine = [e for e in events if e.get("launch") == plan.get("launch")]
+    starts = {}
+    for e in mine:
+        if e.get("event") == "start":
+            # A group sharing one base starts once for all its jobs (its `group` lists them).
+            for job in e.get("group") or [e["job"]]:
+                starts[job] = e
     return Launch(
         plan,
-        starts={e["job"]: e for e in mine if e.get("event") == "start"},
+        starts=starts,
         ends={e["job"]: e for e in mine if e.get("event") == "end"},
         wall_clock_s=next((e["wall_clock_s"] for e in mine if e.get("event") == "launch_end"), None),
         backoffs=[e for e in mine if e.get("event") == "backoff"],

@@ -14,6 +14,7 @@ evenly" (each job alone keeps it busy). The report shows where the study landed.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,17 @@ from exp.hardware.memory import GiB
 from exp.hardware.preflight import PREFLIGHT_EXIT, Gpu, gpu_memory, visible_gpus
 from exp.run.compose import config_dict, to_typed
 from exp.run.overrides import config_loader
-from exp.study.cost import DEFAULT_HEADROOM, MemoryDemand, StepRecord, TimeEstimate, estimate_time, find_records
+from exp.study.cost import (
+    DEFAULT_HEADROOM,
+    MemoryDemand,
+    StepRecord,
+    TimeEstimate,
+    estimate_time,
+    find_records,
+    resolve_alone,
+)
 from exp.study.cost import memory_demand as job_memory
+from exp.study.grouping import group_jobs, shared_config, split_group, with_micro_batch
 from exp.study.placement import JobDemand, Simulation, simulate
 from exp.study.records import SweepConflict, earlier_result
 
@@ -69,15 +79,31 @@ class Pool:
 
 
 @dataclass
+class PlannedGroup:
+    """Jobs that train together over one base (`hydra.launcher.share_base=true`, exp.study.grouping), or one job
+    that runs alone (`reason`: why it could not join a group; None for a group of one that had no partner)."""
+
+    name: str
+    jobs: list[PlannedJob]
+    memory: MemoryDemand | None = None  # the group's: one base, every job's rows of a step
+    reason: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return len(self.jobs) > 1
+
+
+@dataclass
 class StudyPlan:
     pool: Pool
     jobs: list[PlannedJob]
     best: Simulation
     worst: Simulation
     unknown_time: list[str] = field(default_factory=list)  # jobs to run without a recorded throughput
+    groups: list[PlannedGroup] | None = None  # share_base: what the launcher starts, a process per group
 
     def demands(self) -> list[JobDemand]:
-        return packer_demands(self.jobs, self.pool)
+        return packer_demands(self.jobs, self.pool, self.groups)
 
 
 def build_pool(kind: str, devices: list[str], memory_gib: list[float], headroom: float) -> tuple[Pool, str]:
@@ -116,15 +142,51 @@ def build_pool(kind: str, devices: list[str], memory_gib: list[float], headroom:
     return Pool(kind, {d: g.free_bytes for d, g in known.items()}, gpu, headroom, "free memory (nvidia-smi)"), ""
 
 
-def packer_demands(jobs: list[PlannedJob], pool: Pool) -> list[JobDemand]:
-    """What the packer counts per job to run: the reservation when packing, nothing otherwise (one per GPU)."""
+def packer_demands(jobs: list[PlannedJob], pool: Pool, groups: list[PlannedGroup] | None = None) -> list[JobDemand]:
+    """What the packer counts per job to run (per group, with share_base): the reservation when packing, nothing
+    otherwise (one per GPU)."""
+    if groups is not None:
+        return [JobDemand(g.name, g.memory.reserve_bytes if pool.kind == "packed" and g.memory else 0) for g in groups]
     return [
         JobDemand(j.name, j.memory.reserve_bytes if pool.kind == "packed" and j.memory else 0) for j in jobs if j.runs
     ]
 
 
-def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord]) -> StudyPlan:
-    """Each job's memory and time, and the launch simulated with the launcher's packer."""
+def plan_groups(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord]) -> list[PlannedGroup]:
+    """The runnable jobs grouped by what their base depends on (exp.study.grouping), each group's memory estimated
+    on its shape; a group whose reservation no GPU holds (or that the preflight would refuse) is halved until its
+    parts fit, down to single jobs."""
+    runnable = [j for j in jobs if j.runs]
+    found = group_jobs(runnable, cfg_of=lambda j: j.cfg, name_of=lambda j: j.name)
+    largest = max(pool.capacities.values(), default=0)
+    out: list[PlannedGroup] = []
+    todo = list(found)
+    while todo:
+        g = todo.pop(0)
+        members: list[PlannedJob] = list(g.members)
+        if len(members) == 1:
+            out.append(PlannedGroup(members[0].name, members, members[0].memory, g.reason))
+            continue
+        try:
+            cfgs = [j.cfg for j in members]
+            alone = resolve_alone(cfgs[0], pool.gpu).cfg.hardware.micro_batch_size
+            memory = job_memory(shared_config(with_micro_batch(cfgs, alone)), pool.gpu, pool.headroom, records)
+        except ConfigError:
+            memory = None
+        too_big = (
+            memory is None or bool(memory.problem) or (pool.kind != "sequential" and memory.reserve_bytes > largest)
+        )
+        if too_big:
+            first, second = split_group(g)
+            todo[:0] = [first, second]
+            continue
+        out.append(PlannedGroup(g.name, members, memory))
+    return out
+
+
+def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord], share_base: bool = False) -> StudyPlan:
+    """Each job's memory and time, and the launch simulated with the launcher's packer (`share_base`: of the
+    groups sharing one base, exp.study.grouping)."""
     device = pool.gpu.name if pool.gpu is not None else "cpu"
     for job in jobs:
         if not job.runs:
@@ -141,15 +203,27 @@ def estimate_jobs(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord])
     # Without a time for every job the placement is still worth showing (which jobs share a GPU, in what order),
     # so the packer is run on jobs of equal length, and the plan gives no wall-clock.
     seconds = {j.name: 1.0 if unknown else float(j.time.job_s) for j in jobs if j.runs and j.time is not None}
-    demands = packer_demands(jobs, pool)
+    groups = plan_groups(jobs, pool, records) if share_base else None
+    if groups is not None:
+        # A group's time is counted as its jobs' times together: the same tokens go through the GPU, and no record
+        # yet tells how much sharing the base saves.
+        seconds = {g.name: sum(seconds.get(j.name, 0.0) for j in g.jobs) for g in groups}
+    demands = packer_demands(jobs, pool, groups)
     kwargs: dict[str, Any] = {"max_jobs_per_gpu": pool.max_jobs_per_gpu}
     best = simulate(pool.capacities, demands, seconds, **kwargs)
     worst = simulate(pool.capacities, demands, seconds, shared_compute=True, **kwargs)
-    return StudyPlan(pool, jobs, best, worst, unknown)
+    return StudyPlan(pool, jobs, best, worst, unknown, groups)
 
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _short(name: str) -> str:
+    """A job's number, as the placement lines name it; a group's is its first job's and the count of the others
+    (exp.study.grouping.Group.name: 0+3)."""
+    others = re.search(r"\+\d+$", name)
+    return name.split("_", 1)[0] + (others.group() if others else "")
 
 
 def _s(x: float | None) -> str:
@@ -203,6 +277,19 @@ def format_plan(plan: StudyPlan) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if plan.groups is not None:
+        lines.append("groups sharing one base (hydra.launcher.share_base=true), a process each:")
+        for g in plan.groups:
+            if g.shared:
+                m = g.memory
+                assert m is not None
+                lines.append(
+                    f"  jobs {', '.join(_short(j.name) for j in g.jobs)}: one base, estimate {_gib(m.estimate_bytes)} "
+                    f"GiB, reserve {_gib(m.reserve_bytes)} GiB (all {len(g.jobs)} jobs' rows together: {m.choices})"
+                )
+            else:
+                why = f": {g.reason}" if g.reason else " (no other job shares its base)"
+                lines.append(f"  job {_short(g.name)}: alone{why}")
     timed = not plan.unknown_time
     lines.append(
         "placement (simulated with the launcher's packer; "
@@ -217,7 +304,7 @@ def format_plan(plan: StudyPlan) -> str:
         if on:
             starts = sorted({s.start_s for s in on})
             spans = ", ".join(
-                f"{s.job.split('_', 1)[0]} "
+                f"{_short(s.job)} "
                 + (f"[{s.start_s:.0f}-{s.end_s:.0f} s]" if timed else f"[{starts.index(s.start_s) + 1}]")
                 for s in on
             )
@@ -262,9 +349,22 @@ def plan_record(plan: StudyPlan) -> dict[str, Any]:
         if j.time is not None:
             row.update(step_s=j.time.step_s, job_s=j.time.job_s, time_from=j.time.source)
         jobs.append(row)
+    groups = None
+    if plan.groups is not None:
+        groups = [
+            {
+                "group": g.name,
+                "jobs": [j.name for j in g.jobs],
+                "estimate_gib": round(g.memory.estimate_bytes / GiB, 3) if g.shared and g.memory else None,
+                "reserve_gib": round(g.memory.reserve_bytes / GiB, 3) if g.shared and g.memory else None,
+                "alone": g.reason,
+            }
+            for g in plan.groups
+        ]
     return {
         "event": "plan",
         "launcher": plan.pool.kind,
+        "groups": groups,
         "gpus": {d: round(c / GiB, 2) for d, c in plan.pool.capacities.items()},
         "memory_from": plan.pool.where,
         "headroom": plan.pool.headroom,
@@ -312,8 +412,11 @@ def sweep_overrides(master: Any, loader: Any) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    params = master.hydra.sweeper.get("params") or {}
-    arguments = [f"{k}={v}" for k, v in params.items()] + list(master.hydra.overrides.task)
+    # Read unresolved, as Hydra hands them to its sweeper: an override's own interpolation (`seeds=N` adds
+    # lora.init_seed=${trainer.seed}) is each job's to resolve, not the master config's.
+    params = OmegaConf.to_container(master.hydra.sweeper.get("params") or OmegaConf.create({}), resolve=False)
+    task = OmegaConf.to_container(master.hydra.overrides.task, resolve=False)
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(task)
     parsed = OverridesParser.create(config_loader=loader).parse_overrides(arguments)
     return BasicSweeper.split_arguments(parsed, None)[0]
 
@@ -350,7 +453,9 @@ def print_plan(argv: list[str], caller: str, config_path: str, config_name: str)
         print(f"exp: error: {mask_secrets(str(e))}", file=sys.stderr)
         return 2
     launcher = master.hydra.launcher
+    share_base = False
     if str(launcher.get("_target_")) == GPU_LAUNCHER:
+        share_base = bool(launcher.get("share_base"))
         kind = "packed" if launcher.get("pack") else "gpus"
         devices = [str(d) for d in launcher.devices] or visible_gpus()[0]
         if not devices:
@@ -371,6 +476,6 @@ def print_plan(argv: list[str], caller: str, config_path: str, config_name: str)
         return PREFLIGHT_EXIT
     sweep_dir = Path(str(master.hydra.sweep.dir))
     records = find_records([sweep_dir, Path.cwd() / "outputs", Path.cwd() / "multirun"])
-    print(format_plan(estimate_jobs(jobs, pool, records)))
+    print(format_plan(estimate_jobs(jobs, pool, records, share_base)))
     print("nothing was started or written (--plan)")
     return 0

@@ -38,8 +38,8 @@ from exp.run.dirs import RunLayout, read_status, release_run
 from exp.study.cost import DEFAULT_HEADROOM, find_records
 from exp.study.job import SweepJob, plan_sweep_job, start_sweep_job, sweep_job_result
 from exp.study.journal import append_event
-from exp.study.placement import Packer
-from exp.study.plan import PlannedJob, Pool, build_pool, estimate_jobs, format_plan, plan_record
+from exp.study.placement import Packer, Placement
+from exp.study.plan import PlannedGroup, PlannedJob, Pool, build_pool, estimate_jobs, format_plan, plan_record
 from exp.study.records import final_metric, ran_out_of_memory
 from exp.training.launch import child_env, worker_command
 
@@ -64,9 +64,11 @@ class GpuScheduler:
         pack: bool = False,
         headroom: float = DEFAULT_HEADROOM,
         memory_gib: Sequence[float] = (),
+        share_base: bool = False,
     ) -> None:
         self.devices = [str(d) for d in devices]  # empty: every GPU this process may see
         self.pack = bool(pack)
+        self.share_base = bool(share_base)  # jobs that can share one base train together (exp.study.grouping)
         self.headroom = float(headroom)
         self.memory_gib = [float(m) for m in memory_gib]
         self.pool: Pool | None = None
@@ -115,10 +117,13 @@ class GpuScheduler:
             for lj, job in zip(launch_jobs, planned, strict=True)
         ]
         records = find_records([sweep_dir, launch_dir / "outputs", launch_dir / "multirun"])
-        plan = estimate_jobs(jobs, self.pool, records)
+        plan = estimate_jobs(jobs, self.pool, records, self.share_base)
+        groups = {g.name: g for g in plan.groups or () if g.shared}
         launch_id = time.strftime("%Y-%m-%dT%H:%M:%S")
         append_event(sweep_dir, {**plan_record(plan), "launch": launch_id, "time": launch_id})
-        how = "packed by memory" if self.pack else "one job per GPU"
+        how = ("packed by memory" if self.pack else "one job per GPU") + (
+            f"; {len(groups)} group(s) sharing one base" if groups else ""
+        )
         log.info(
             "Launching %d jobs on %d GPU(s): %s (%s)",
             len(launch_jobs),
@@ -142,6 +147,11 @@ class GpuScheduler:
         started = time.time()
         while True:
             for p in packer.start_ready():
+                if p.job in groups:
+                    self._start_group(
+                        groups[p.job], p, launch_jobs, planned, index, values, ended, sweep_dir, launch_id
+                    )
+                    continue
                 i = index[p.job]
                 memory = jobs[i].memory
                 append_event(
@@ -187,27 +197,31 @@ class GpuScheduler:
                 break
             name, run_dir, seconds = ended.get()
             gpu = packer.where[name]
-            oom = run_dir is not None and ran_out_of_memory(run_dir)
+            group = groups.get(name)
+            ends = list(run_dir) if group is not None else [(name, run_dir)]  # a group: (job, run dir) per job
+            oom = any(d is not None and ran_out_of_memory(d) for _, d in ends)
             packer.finish(name, out_of_memory=oom)
-            memory = jobs[index[name]].memory
-            status = _status(run_dir)
-            append_event(
-                sweep_dir,
-                {
-                    "event": "end",
-                    "launch": launch_id,
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "job": name,
-                    "run_dir": run_dir.name if run_dir is not None else None,  # a re-run attempt: <job>_1, ...
-                    "gpu": gpu,
-                    "status": status,
-                    "seconds": round(seconds, 1),
-                    "peak_gib": _summary(run_dir).get("peak_memory_gib"),
-                    "estimate_allocated_gib": _gib(memory.allocated_bytes) if memory else None,
-                    "out_of_memory": oom,
-                },
-            )
-            if status == "completed" and memory is not None:
+            for job_name, job_dir in ends:
+                memory = group.memory if group is not None else jobs[index[job_name]].memory
+                append_event(
+                    sweep_dir,
+                    {
+                        "event": "end",
+                        "launch": launch_id,
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                        "job": job_name,
+                        "run_dir": job_dir.name if job_dir is not None else None,  # a re-run attempt: <job>_1, ...
+                        "gpu": gpu,
+                        "status": _status(job_dir),
+                        "seconds": round(seconds, 1),
+                        "peak_gib": _summary(job_dir).get("peak_memory_gib"),
+                        "estimate_allocated_gib": _gib(memory.allocated_bytes) if memory else None,
+                        "out_of_memory": oom,
+                        **({"group": name} if group is not None else {}),
+                    },
+                )
+            memory = None if group is not None else jobs[index[name]].memory
+            if group is None and _status(run_dir) == "completed" and memory is not None:
                 self.learn_peak(sweep_dir, launch_id, packer, jobs, index, name, run_dir)
             if oom:
                 g, job_name, before, after = packer.backoffs[-1]
@@ -278,6 +292,75 @@ class GpuScheduler:
                         "reserve_gib": _gib(raised.reserve_bytes),
                     },
                 )
+
+    def _start_group(
+        self,
+        group: PlannedGroup,
+        p: Placement,
+        launch_jobs: list[LaunchJob],
+        planned: list[SweepJob],
+        index: dict[str, int],
+        values: list[float],
+        ended: queue.Queue,
+        sweep_dir: Path,
+        launch_id: str,
+    ) -> None:
+        """Start a group of jobs sharing one base on its GPU: the journal's start line, then its process's thread."""
+        memory = group.memory
+        append_event(
+            sweep_dir,
+            {
+                "event": "start",
+                "launch": launch_id,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "job": group.name,
+                "group": [j.name for j in group.jobs],
+                "gpu": p.gpu,
+                "estimate_gib": _gib(memory.estimate_bytes) if memory else None,
+                "reserve_gib": _gib(p.reserve_bytes),
+                "gpu_room_gib": _gib(p.room_before_bytes) if self.pack else None,
+                "running_before": p.running_before,
+            },
+        )
+        members = [index[j.name] for j in group.jobs]
+        args = (group.name, members, launch_jobs, planned, p.gpu, values, ended)
+        threading.Thread(target=self._run_group, args=args).start()
+
+    def _run_group(
+        self,
+        name: str,
+        members: list[int],
+        launch_jobs: list[LaunchJob],
+        planned: list[SweepJob],
+        device: str,
+        values: list[float],
+        ended: queue.Queue,
+    ) -> None:
+        """One group's process (exp.study.group_worker) on `device`, in a thread of its own; each job's value goes
+        into `values`, the group's end to `ended` with every job's run directory."""
+        run_dirs: list[tuple[int, Path]] = []
+        t0 = time.time()
+        try:
+            for i in members:
+                lj = launch_jobs[i]
+                run_dir = start_sweep_job(
+                    planned[i], lj.job_cfg, lj.job_cfg.hydra.job.override_dirname, Path(lj.job_cfg.hydra.sweep.dir).name
+                )
+                if run_dir is not None:
+                    run_dirs.append((i, run_dir))
+            log.info("group %s on GPU %s: %d jobs over one base", name, device, len(run_dirs))
+            env = child_env(dict(os.environ, CUDA_VISIBLE_DEVICES=device))
+            try:
+                command = [sys.executable, "-m", "exp.study.group_worker", *(str(d) for _, d in run_dirs)]
+                rc = subprocess.run(command, env=env).returncode if run_dirs else 0
+            finally:
+                for _, d in run_dirs:
+                    release_run(d)
+            for i, d in run_dirs:
+                # The group's exit status stands for a job only where the job did not complete.
+                values[i] = sweep_job_result(d, 0 if _status(d) == "completed" else rc or 1)
+        finally:
+            ended.put((name, [(planned[i].job_dir.name, d) for i, d in run_dirs], time.time() - t0))
 
     def _without_gpu(self, lj: LaunchJob, job: SweepJob) -> float:
         """A job that needs no GPU: reused (its value again), or failed before starting (recorded in its directory)."""

@@ -229,10 +229,20 @@ def print_summary(s: dict, output_dir: Path) -> None:
     RECORD.info("summary\n%s", text)
 
 
-def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path) -> None:
-    """Find the checkpoint `trainer.resume` asks for and record it in `resume.json` (every worker reads it)."""
+def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path, grouped: bool = False) -> None:
+    """Find the checkpoint `trainer.resume` asks for and record it in `resume.json` (every worker reads it).
+
+    `grouped`: the run is a job of a group sharing one base (exp.study.group_fit), which continues checkpoints of
+    either kind; a single run cannot continue a group's checkpoint (it holds no Lightning loop state)."""
 
     point = resolve(cfg, config_dict(cfg), output_dir, launch_dir)
+    if point is not None and point.state["exp"].get("group") is not None and not grouped:
+        raise ConfigError(
+            f"trainer.resume={cfg.trainer.resume}: {point.checkpoint} was written by a group of jobs trained over one "
+            "shared base (hydra.launcher.share_base=true), and only such a group continues it. Fix: launch the "
+            "study again with hydra/launcher=gpus hydra.launcher.share_base=true and trainer.resume=auto, or start "
+            "this job fresh without trainer.resume."
+        )
     if point is not None:
         record = {
             "checkpoint": str(point.checkpoint),

@@ -75,8 +75,8 @@ class SampleGenerations(L.Callback):
         self.rows: list[list[Any]] = []  # every (step, prompt, answer) so far: W&B tables are logged whole
         self.done_steps: set[int] = set()
 
-    def _setup(self, trainer: L.Trainer) -> None:
-        datamodule = trainer.datamodule
+    def prepare(self, datamodule: Any) -> None:
+        """The prompts, from the config or the data module's held-out split."""
         self.tokenizer = getattr(datamodule, "tokenizer", None)
         if self.tokenizer is None:
             self.tokenizer = build_tokenizer(self.cfg.model)
@@ -100,11 +100,14 @@ class SampleGenerations(L.Callback):
         if step in self.done_steps:  # the final trainer.validate repeats the last step's evaluation
             return
         if self.prompts is None:
-            self._setup(trainer)
+            self.prepare(trainer.datamodule)
+        pl_module.samples_seconds = self.sample(pl_module.model, step, pl_module.device, trainer.loggers)
+
+    def sample(self, model: Any, step: int, device: torch.device, loggers: list) -> float:
+        """The answers at `step`, appended to the file and logged to W&B; the seconds they took. `prepare` first."""
         if not self.prompts:
-            return
+            return 0.0
         self.done_steps.add(step)
-        model = pl_module.model
         started = time.perf_counter()
         was_training = model.training
         model.eval()
@@ -113,10 +116,10 @@ class SampleGenerations(L.Callback):
             # compiled graphs guard on at every layer and step, and the recompiles would use up Dynamo's cache
             # (8 graphs per function) that the training steps need.
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                answers = self._greedy(model, self.prompts, pl_module.device)
+                answers = self._greedy(model, self.prompts, device)
         finally:
             model.train(was_training)
-            pl_module.samples_seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started
         decode = self.tokenizer.decode
         new_rows = [[step, decode(p, skip_special_tokens=True), a] for p, a in zip(self.prompts, answers, strict=True)]
         self.rows += new_rows
@@ -126,9 +129,10 @@ class SampleGenerations(L.Callback):
                 # Python literals of the exact texts (the prompt's final newline is part of the prompt format): a
                 # prompt copied from here, after `<bos>`, gets this answer.
                 f.write(f"[{i}] prompt: {prompt!r}\n    answer: {answer!r}\n")
-        for logger in trainer.loggers:
+        for logger in loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.log_table(key="samples", columns=["step", "prompt", "answer"], data=self.rows, step=step)
+        return seconds
 
     def _greedy(self, model: Any, prompts: list[list[int]], device: torch.device) -> list[str]:
         """Every prompt's greedy answer from one `generate` call: the prompts left-padded into one batch (masked

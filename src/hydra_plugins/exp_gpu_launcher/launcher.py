@@ -31,6 +31,9 @@ class GpuLauncherConf:
     headroom: float = 0.10
     # GiB each device may hold, one figure per device; empty: the free memory nvidia-smi reports at launch.
     memory_gib: list[float] = field(default_factory=list)
+    # true: jobs that differ only in their adapters, optimiser settings and seeds train together in one process
+    # over one shared base (exp.study.grouping says which); each job still gets its own run directory.
+    share_base: bool = False
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="gpus", node=GpuLauncherConf, provider="exp")
@@ -43,11 +46,12 @@ class GpuPoolLauncher(Launcher):
         pack: bool = False,
         headroom: float = 0.10,
         memory_gib: Sequence[float] = (),
+        share_base: bool = False,
     ) -> None:
         # exp loads once Hydra makes this launcher, not whenever it scans its plugins (every exp.train, --help too).
         from exp.study.scheduler import GpuScheduler
 
-        self.scheduler = GpuScheduler(devices, pack, headroom, memory_gib)
+        self.scheduler = GpuScheduler(devices, pack, headroom, memory_gib, share_base)
         self.config = None
         self.hydra_context = None
 

@@ -1,0 +1,108 @@
+"""`python -m exp.study.group_worker <run dir> <run dir> ...`: the process of one group of a study's jobs sharing
+one base (started by the `gpus` launcher with `hydra.launcher.share_base=true`, on the GPU it chose). Each run
+directory holds its job's config (`config.yaml`, written when the launcher claimed it); each job passes its own
+preflight, and a job the preflight refuses fails alone, with the findings in its status.json. The process exits 0
+once the group has run, whatever each job's outcome (each status.json says it); non-zero when the group itself
+stopped (a signal: every unfinished job is `preempted`; an error: `failed`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from exp.core.config import Accelerator, ConfigError, TrainConfig
+from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+from exp.run.compose import load_run_config, write_run_config
+from exp.run.dirs import RunLayout
+from exp.run.logs import FILE_FORMAT, run_log
+from exp.study.group_fit import train_group
+from exp.study.group_member import Member
+from exp.study.grouping import shared_config, with_micro_batch
+from exp.training.launch import die_with_launcher
+from exp.training.lifecycle import record_refused, record_stop
+from exp.training.pipeline import exit_on_known_error, prepare_resume
+from exp.training.signals import GUARD
+
+log = logging.getLogger("exp.train")
+
+
+def main(run_dirs: list[Path]) -> None:
+    die_with_launcher()  # never train on after the launcher is gone
+    GUARD.install()  # SIGTERM / SIGUSR1 / SIGINT stop every job of the group as they stop a single run
+    with run_log(run_dirs[0]):
+        shared, members = plan_group(run_dirs)
+    if not members:
+        sys.exit(PREFLIGHT_EXIT)
+    device = torch.device("cpu" if shared.hardware.accelerator == Accelerator.cpu else "cuda")
+    # Every job's train.log gets the group's lines (one process trains them all; lines about one job name it).
+    files = [logging.FileHandler(RunLayout(m.run_dir).log) for m in members[1:]]
+    root = logging.getLogger()
+    for f in files:
+        f.setFormatter(logging.Formatter(FILE_FORMAT))
+        root.addHandler(f)
+    try:
+        with run_log(members[0].run_dir):
+            log.info(
+                "group of %d jobs over one base on %s: %s",
+                len(members),
+                device,
+                ", ".join(m.run_dir.name for m in members),
+            )
+            train_group(members, shared, device)
+    except BaseException as e:
+        for m in members:
+            record_stop(m.run_dir, e)
+        exit_on_known_error(e)
+        raise
+    finally:
+        for f in files:
+            root.removeHandler(f)
+            f.close()
+
+
+def plan_group(run_dirs: list[Path]) -> tuple[TrainConfig, list[Member]]:
+    """The group's resolved config and its members. The preflight runs once, on the group's shape (every job's rows
+    of a step together, exp.study.grouping.shared_config): a group that cannot run here fails every job with its
+    findings. Each job then trains with the resolved hardware and its own micro-batch, recorded in its config.yaml,
+    and continues its checkpoint when its config asks (trainer.resume); a job whose resume cannot be used fails
+    alone."""
+    cfgs = [load_run_config(d) for d in run_dirs]
+    alone = run_preflight(cfgs[0])  # the micro-batch each job would take alone, and how it weights a step
+    token_weighted = False
+    if alone.ok:
+        cfgs = with_micro_batch(cfgs, alone.cfg.hardware.micro_batch_size)
+        token_weighted = alone.cfg.hardware.padding_free and not alone.cfg.data.packing
+    check = run_preflight(shared_config(cfgs)) if alone.ok else alone
+    if not check.ok:
+        message = (
+            f"{format_findings(check)}\n(the preflight of a group of {len(cfgs)} jobs sharing one base: every job's "
+            "micro-batch together. Fix: what the findings say, a smaller hardware.micro_batch_size, or the study "
+            "without hydra.launcher.share_base.)"
+        )
+        for d in run_dirs:
+            record_refused(d, message)
+        log.error("%s", message)
+        return check.cfg, []
+    members = []
+    for run_dir, cfg in zip(run_dirs, cfgs, strict=True):
+        own_micro_batch = cfg.hardware.micro_batch_size
+        cfg.hardware = copy.deepcopy(check.cfg.hardware)
+        cfg.hardware.micro_batch_size = own_micro_batch
+        cfg.hardware.memory_budget_gib = load_run_config(run_dir).hardware.memory_budget_gib
+        write_run_config(cfg, run_dir)  # what the job trains with, as a single run records it
+        try:
+            prepare_resume(cfg, run_dir, Path.cwd(), grouped=True)
+        except ConfigError as e:
+            record_refused(run_dir, str(e))
+            log.error("%s: %s", run_dir.name, e)
+            continue
+        members.append(Member(f"job{len(members)}", cfg, run_dir, token_weighted=token_weighted))
+    return check.cfg, members
+
+
+if __name__ == "__main__":
+    main([Path(p) for p in sys.argv[1:]])

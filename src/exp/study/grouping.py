@@ -1,0 +1,135 @@
+"""Which jobs of a study can share one base (`hydra.launcher.share_base=true`): jobs whose base model, quantization,
+hardware, tokenised data and step shape agree train together in one process (exp.study.group_fit), each with its own
+adapter, optimiser, schedule, seed and run directory. Torch-free: the launcher's process groups the jobs.
+
+What may differ inside a group is everything that lives in a job's adapter or its optimiser: `lora.*` (rank,
+alpha, dropout, targets, init seed), `trainer.*` except the step's shape (learning rate, schedule, warmup, steps,
+clipping, seed, validation and logging intervals), `data.seed` (each job's own split and order) and the logger's
+run. The rest is the group's key.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+
+from exp.core.config import TrainConfig
+from exp.core.strategies import Strategy, strategy_traits
+from exp.run.compose import config_dict
+
+# Trainer fields every job of a group shares: the micro-batches of a step are taken in lockstep.
+SHARED_TRAINER_FIELDS = ("global_batch_size",)
+# Hardware fields the launcher sets per job (a placement), not part of what the base depends on.
+PLACEMENT_FIELDS = ("memory_budget_gib",)
+
+
+def base_key(cfg: TrainConfig) -> str:
+    """Everything one shared base depends on, as a canonical string: equal keys can share a base."""
+    d = config_dict(cfg)
+    key = {
+        "model": d["model"],
+        "quantization": d["quantization"],
+        "hardware": {k: v for k, v in d["hardware"].items() if k not in PLACEMENT_FIELDS},
+        "data": {k: v for k, v in d["data"].items() if k != "seed"},
+        "trainer": {k: d["trainer"][k] for k in SHARED_TRAINER_FIELDS},
+    }
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def with_micro_batch(cfgs: list[TrainConfig], micro_batch: int) -> list[TrainConfig]:
+    """The jobs' configs with the micro-batch each would resolve alone (the preflight's choice for one of them: they
+    share the hardware and data shape), fixed: a grouped job then takes the steps, micro-batches and validation
+    batches it would take alone."""
+    out = []
+    for c in cfgs:
+        c = copy.deepcopy(c)
+        c.hardware.micro_batch_size = micro_batch
+        c.hardware.auto_micro_batch = False
+        out.append(c)
+    return out
+
+
+def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
+    """The config the group's base is built and planned from: the first job's, with what one base under several
+    adapters cannot do switched off, and the step's rows of every job together.
+
+    Compiling would trace the per-row routing (a Python list per forward) into every graph; kept weights fused with
+    one job's LoRA would hold that job's adapter only; padding-free rows hold one job's examples end to end, so the
+    group takes padded rows. Each job keeps its micro-batch (`with_micro_batch`; no auto_micro_batch: the jobs'
+    rows must line up); the preflight resolves what remains `auto` (recomputed and kept-dequantized layers) for all the rows
+    of a group step, so the group's choices fit the group, within the sum of the jobs' memory budgets where each
+    sets one. The largest adapter stands for the adapters' memory."""
+    cfg = copy.deepcopy(cfgs[0])
+    hw = cfg.hardware
+    hw.compile = False
+    hw.fuse_lora = False
+    hw.padding_free = False
+    hw.auto_micro_batch = False
+    hw.micro_batch_size = sum(c.hardware.micro_batch_size for c in cfgs)
+    # Jobs that each plan for a budget plan together for the sum (the base is counted once in it: room to spare).
+    budgets = [c.hardware.memory_budget_gib for c in cfgs]
+    hw.memory_budget_gib = None if None in budgets else round(sum(budgets), 2)
+    cfg.trainer.global_batch_size = sum(c.trainer.global_batch_size for c in cfgs)
+    widest = max(cfgs, key=lambda c: c.lora.r * len(c.lora.target_modules))
+    cfg.lora = copy.deepcopy(widest.lora)
+    return cfg
+
+
+def why_alone(cfg: TrainConfig) -> str | None:
+    """Why this job cannot join a group (it then runs alone, as without share_base); None when it can."""
+    hw = cfg.hardware
+    several = hw.strategy != Strategy.auto and strategy_traits(hw.strategy).uses_several_devices
+    if several or hw.devices != 1 or hw.num_nodes != 1:
+        return (
+            f"hardware.strategy={hw.strategy.value} on {hw.devices} device(s): a group trains in one process on one "
+            "device"
+        )
+    if cfg.lora.modules_to_save:
+        return "lora.modules_to_save: a fully trained module copy per job is not shared"
+    return None
+
+
+@dataclass
+class Group:
+    """Jobs that train together over one base, in sweep order; `alone`: a single job that runs as without
+    share_base (with the reason, when it could not join one)."""
+
+    names: list[str]
+    reason: str | None = None
+    members: list = field(default_factory=list)  # what the caller grouped (planned jobs, launch jobs)
+
+    @property
+    def name(self) -> str:
+        """The group's name in plans and journals: its first job's, with the count of the others."""
+        return self.names[0] if len(self.names) == 1 else f"{self.names[0]}+{len(self.names) - 1}"
+
+
+def group_jobs(jobs: list, cfg_of, name_of, max_size: int | None = None) -> list[Group]:
+    """Jobs grouped by `base_key` in sweep order (a group of one where `why_alone` says so), at most `max_size` a
+    group. `cfg_of(job)` and `name_of(job)` read a job's typed config and name."""
+    groups: dict[str, list[Group]] = {}
+    out: list[Group] = []
+    for job in jobs:
+        cfg = cfg_of(job)
+        if (reason := why_alone(cfg)) is not None:
+            out.append(Group([name_of(job)], reason, [job]))
+            continue
+        key = base_key(cfg)
+        open_groups = groups.setdefault(key, [])
+        if not open_groups or (max_size is not None and len(open_groups[-1].names) >= max_size):
+            g = Group([], None, [])
+            open_groups.append(g)
+            out.append(g)
+        open_groups[-1].names.append(name_of(job))
+        open_groups[-1].members.append(job)
+    return out
+
+
+def split_group(group: Group) -> tuple[Group, Group]:
+    """A group halved in sweep order (a group whose memory does not fit one device)."""
+    half = (len(group.names) + 1) // 2
+    return (
+        Group(group.names[:half], group.reason, group.members[:half]),
+        Group(group.names[half:], group.reason, group.members[half:]),
+    )
