@@ -188,14 +188,13 @@ def test_a_killed_group_continues_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_single_run_refuses_a_groups_checkpoint(tmp_path):
+def test_a_single_run_refuses_a_groups_checkpoint(runs, tmp_path):
     """A group's checkpoint holds no Lightning loop state: continuing it alone stops with a message saying how to
     continue it."""
     from exp.train import run
 
-    _group([(tmp_path / "g" / "job0", JOBS[0])])
     with pytest.raises(ConfigError, match="share_base=true"):
-        run(COMMON + JOBS[0] + [f"trainer.resume={tmp_path / 'g' / 'job0'}"], output_dir=tmp_path / "alone")
+        run(COMMON + JOBS[0] + [f"trainer.resume={runs / 'group0'}"], output_dir=tmp_path / "alone")
 
 
 def test_jobs_group_by_what_their_base_depends_on():
