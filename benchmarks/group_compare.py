@@ -13,14 +13,14 @@ final val/loss of each arm against the grouped one (relative). Writes WORK/group
 
 from __future__ import annotations
 
-import csv
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout, as the other scripts
+
+from study_compare import smi  # noqa: E402  (beside this script: nvidia-smi's samples read as the study's are)
 
 TOLERANCE = 1e-3  # relative difference of a job's final val/loss between arms
 
@@ -44,25 +44,6 @@ def jobs(sweep: Path) -> dict[str, dict]:
             name = re.sub(r"_\d+$", "", d.name) if (sweep / re.sub(r"_\d+$", "", d.name)).is_dir() else d.name
             out[name.split("_", 1)[-1]] = {**summary, "run_dir": d}
     return out
-
-
-def smi(path: Path) -> dict:
-    util, used = [], []
-    if path.exists():
-        for row in csv.reader(path.open()):
-            try:
-                util.append(float(row[1]))
-                used.append(float(row[2]))
-            except (IndexError, ValueError):
-                continue
-    if not util:
-        return {"samples": 0}
-    return {
-        "samples": len(util),
-        "gpu_util_mean_pct": round(statistics.mean(util), 1),
-        "gpu_util_median_pct": statistics.median(util),
-        "memory_used_max_gib": round(max(used) / 1024, 2),
-    }
 
 
 def wall_clock(sweep: Path) -> float | None:
@@ -99,7 +80,7 @@ def main(work: Path, reference: Path | None) -> dict:
         result["arms"][a] = {
             "completed": len(found[a]),
             "wall_clock_s": wall,
-            **smi(work / f"smi_{a}.csv"),
+            **smi([p for p in [work / f"smi_{a}.csv"] if p.exists()]),
             "peak_allocated_gib": max(peaks) if peaks else None,
             "mfu": round(mfu, 4) if mfu else None,
         }

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_typed
+from test_sweeps import FAST
 
 from exp.core.config import ConfigError
 from exp.run.compose import compose_config, write_run_config
@@ -232,15 +233,6 @@ def test_a_bad_precision_for_a_group_is_refused():
         _autocast(torch.device("cpu"), "16-mixed")
 
 
-FAST = [
-    "trainer.max_steps=3",
-    "trainer.warmup_steps=0",
-    "trainer.val_every_n_steps=3",
-    "trainer.log_every_n_steps=1",
-    "data.num_examples=120",
-    "trainer.sample_count=0",
-    "logger=csv",
-]
 SHARED = ["exp.train", "-m", "hydra/launcher=gpus", "hydra.launcher.devices=[0]", "hydra.launcher.share_base=true"]
 GRID = ["hardware=cpu", "lora.r=2,4", "trainer.learning_rate=5e-3,1e-2", *FAST]
 
