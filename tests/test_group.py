@@ -47,8 +47,8 @@ DIVERGING = ["lora.r=4", "trainer.learning_rate=1e30", "trainer.max_grad_norm=0"
 
 
 def _group(dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None = None) -> int:
-    """Run `python -m exp.study.group_worker` on fresh run directories of these configs; SIGKILL it once the first
-    job's checkpoint `kill_at` appears."""
+    """Run `python -m exp.study.group_worker` on fresh run directories of these configs; SIGKILL it once every job's
+    checkpoint `kill_at` is there (the jobs save one after another)."""
     dirs = []
     for d, overrides in dirs_and_overrides:
         run_dir = claim_run_dir(d)
@@ -57,8 +57,8 @@ def _group(dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None
         dirs.append(str(run_dir))
     proc = subprocess.Popen([sys.executable, "-m", "exp.study.group_worker", *dirs], stderr=subprocess.PIPE, text=True)
     if kill_at is not None:
-        target = Path(dirs[0]) / "checkpoints" / kill_at
-        while not target.exists() and proc.poll() is None:
+        targets = [Path(d) / "checkpoints" / kill_at for d in dirs]
+        while not all(t.exists() for t in targets) and proc.poll() is None:
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate()
@@ -186,6 +186,24 @@ def test_a_killed_group_continues_bitwise(tmp_path):
         r = load_file(resumed / "adapter" / "adapter_model.safetensors")
         assert all(torch.equal(u[k], r[k]) for k in u)
         assert _summary(resumed)["final_val"] == _summary(tmp_path / "u" / f"job{i}")["final_val"]
+
+
+@pytest.mark.slow
+def test_a_job_continued_beside_a_fresh_one_reaches_its_result_within_rounding(tmp_path):
+    """A kill between two jobs' saves leaves them a step apart: the first continues from step 2 beside the second
+    starting afresh, whose rows pad its steps differently, and still reaches the uninterrupted adapters within float
+    rounding."""
+    from safetensors.torch import load_file
+
+    _group([(tmp_path / "u" / f"job{i}", j) for i, j in enumerate(JOBS[:2])])
+    assert _group([(tmp_path / "k" / "job0", JOBS[0])], kill_at="step-000002.ckpt") == -signal.SIGKILL
+    _group([(tmp_path / "k" / "job0", [*JOBS[0], "trainer.resume=auto"]), (tmp_path / "k" / "job1", JOBS[1])])
+    assert json.loads((tmp_path / "k" / "job0_1" / "resume.json").read_text())["step"] >= 2
+    u = load_file(tmp_path / "u" / "job0" / "adapter" / "adapter_model.safetensors")
+    r = load_file(tmp_path / "k" / "job0_1" / "adapter" / "adapter_model.safetensors")
+    for k in u:
+        torch.testing.assert_close(r[k], u[k], rtol=1e-4, atol=1e-6)
+    assert not all(torch.equal(u[k], r[k]) for k in u)  # different neighbours: the same result, not the same bits
 
 
 @pytest.mark.slow
