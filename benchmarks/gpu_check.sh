@@ -63,6 +63,8 @@
 #                and, when asked for with GROUP_ARMS="grouped packed", the packed arm again on this machine
 #   group7b      the same grid, 8 jobs on the Gemma-7B shape, 30 steps: grouped and packed (benchmarks/group_check.sh 7b)
 #                ($OUT/group_<shape>.tgz: the arms without their weights)
+#   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
+#                steps 4-6 under torch.profiler ($GROUPPROF_ARGS: more overrides, e.g. hardware.padding_free=false)
 #
 # Everything lands in $OUT (default benchmarks/results/gpu_check): log.txt (this console), results.tgz (bench and
 # calibration JSON/Markdown, pytest and command logs, run summaries). Each stage has a time limit
@@ -140,7 +142,7 @@ BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -235,6 +237,11 @@ run_stage() {
         "$shape" $arms
       tar -czf "$OUT/group_$shape.tgz" -C "$ROOT" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='tokenizer*' \
         --exclude='*.partial' "outputs/gpu_group_$shape" ;;
+    groupprof)
+      rm -rf "$WORK/groupprof"
+      stage groupprof 300 python3 benchmarks/group_profile.py "$WORK/groupprof" --jobs "${GROUPPROF_JOBS:-16}" \
+        "data.path=$ALPACA" ${GROUPPROF_ARGS:-}
+      rm -rf "$WORK"/groupprof/job*/adapter "$WORK"/groupprof/job*/checkpoints; gzip -f "$WORK/groupprof/trace.json" ;;
     realpf)
       # Real data, padding-free (hardware=gpu's default): baseline and exp on the same steps, and the synthetic
       # 2048 x 8 figure of the same build for the ratio.

@@ -45,7 +45,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def test_a_group_on_the_gpu_trains_each_job_as_alone(tmp_path):
     """Per-step losses within 1% over 30 steps and the final validation loss within 1e-3 of each job run alone
-    (bf16: the group runs eager and padded, the single run compiled and padding-free, so the roundings differ)."""
+    (bf16: the group runs eager, the single run compiled, so the roundings differ)."""
     from exp.train import run
 
     dirs = []

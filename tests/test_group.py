@@ -42,17 +42,20 @@ JOBS = [
     ["lora.r=4", "trainer.learning_rate=1e-2", "trainer.seed=1", "data.seed=1", "trainer.lr_schedule=linear"],
     ["lora.r=8", "trainer.learning_rate=2e-3", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"],
 ]
+PADDING_FREE = ["hardware.padding_free=true"]
 # Diverges at once: its adapters' updates overflow fp32, and its loss turns NaN.
 DIVERGING = ["lora.r=4", "trainer.learning_rate=1e30", "trainer.max_grad_norm=0"]
 
 
-def _group(dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None = None) -> int:
+def _group(
+    dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None = None, common: list[str] = COMMON
+) -> int:
     """Run `python -m exp.study.group_worker` on fresh run directories of these configs; SIGKILL it once every job's
     checkpoint `kill_at` is there (the jobs save one after another)."""
     dirs = []
     for d, overrides in dirs_and_overrides:
         run_dir = claim_run_dir(d)
-        write_run_config(compose_config(COMMON + overrides), run_dir)
+        write_run_config(compose_config(common + overrides), run_dir)
         release_run(run_dir)
         dirs.append(str(run_dir))
     proc = subprocess.Popen([sys.executable, "-m", "exp.study.group_worker", *dirs], stderr=subprocess.PIPE, text=True)
@@ -85,23 +88,28 @@ def _summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Each job alone (exp.train's own path), the three as one group, and the three beside a diverging fourth."""
+    """Each job alone (exp.train's own path) and the three as one group, padded and padding-free, and the three
+    beside a diverging fourth."""
     from exp.train import run
 
     out = tmp_path_factory.mktemp("group")
     for i, job in enumerate(JOBS):
         run(COMMON + job, output_dir=out / f"alone{i}")
+        run(COMMON + PADDING_FREE + job, output_dir=out / f"alone_flat{i}")
     _group([(out / f"group{i}", job) for i, job in enumerate(JOBS)])
+    _group([(out / f"group_flat{i}", job) for i, job in enumerate(JOBS)], common=COMMON + PADDING_FREE)
     _group([(out / f"mixed{i}", job) for i, job in enumerate([*JOBS, DIVERGING])])
     return out
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flat", ["", "_flat"], ids=["padded", "padding_free"])
 @pytest.mark.parametrize("i", range(len(JOBS)))
-def test_each_job_of_a_group_trains_as_it_would_alone(runs, i):
+def test_each_job_of_a_group_trains_as_it_would_alone(runs, i, flat):
     """Every training loss and every validation of a grouped job equals the same job run alone within 1e-5 (fp32, the
-    4-bit CPU path): one forward of the base over every job's rows, each adapter over its own."""
-    alone, grouped = runs / f"alone{i}", runs / f"group{i}"
+    4-bit CPU path): one forward of the base over every job's rows (padding-free: every job's examples end to end in
+    one row), each adapter over its own part."""
+    alone, grouped = runs / f"alone{flat}{i}", runs / f"group{flat}{i}"
     a, g = _losses(alone), _losses(grouped)
     assert sorted(a) == sorted(g) == [1, 2, 3, 4]
     for step in a:
@@ -112,6 +120,8 @@ def test_each_job_of_a_group_trains_as_it_would_alone(runs, i):
             assert sg[when][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (when, k)
     assert sg["steps"] == sa["steps"] == 4
     assert sg["group"]["size"] == len(JOBS)
+    if flat:  # the single run's padding: padding-free parts are laid end to end, not padded to each other
+        assert sg["padding_fraction"] == pytest.approx(sa["padding_fraction"], abs=1e-4)
 
 
 @pytest.mark.slow

@@ -43,14 +43,15 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
 
 
 class RowRouter:
-    """Route the rows of the next forward passes to adapters: `router.route([("a", 4), ("b", 4)])` (each adapter
-    with its count of consecutive rows), or `router.route_all("a")`; set before each forward and kept until its
-    backward is done. Installed on every LoRA layer of `model` until `remove()`."""
+    """Route the next forward passes' rows (or tokens) to adapters: `router.route([("a", 4), ("b", 4)])` (each
+    adapter with its count of consecutive rows), `router.route([("a", 900), ("b", 700)], axis=1)` (consecutive
+    tokens of one row of examples laid end to end), or `router.route_all("a")`; set before each forward and kept
+    until its backward is done. Installed on every LoRA layer of `model` until `remove()`."""
 
     def __init__(self, model: nn.Module) -> None:
         from peft.tuners.lora import LoraLayer  # the model is a PEFT model already: PEFT is loaded
 
-        self.spans: list[tuple[str, slice]] = []
+        self.spans: list[tuple[str, tuple[slice, ...]]] = []
         self._layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         trainable = [p for p in model.parameters() if p.requires_grad]
         for layer in self._layers:
@@ -59,26 +60,30 @@ class RowRouter:
             p.requires_grad_(True)
         self._handles = [layer.register_forward_hook(self._add_adapters) for layer in self._layers]
 
-    def route(self, rows: list[tuple[str, int]]) -> None:
+    def route(self, parts: list[tuple[str, int]], axis: int = 0) -> None:
+        """`parts`: (adapter, count) in order along `axis` of the layers' inputs (0: rows, 1: tokens)."""
         spans, start = [], 0
-        for name, count in rows:
-            spans.append((name, slice(start, start + count)))
+        for name, count in parts:
+            spans.append((name, (slice(None),) * axis + (slice(start, start + count),)))
             start += count
         self.spans = spans
 
     def route_all(self, name: str) -> None:
-        self.spans = [(name, slice(None))]
+        self.spans = [(name, (slice(None),))]
 
     def _add_adapters(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
-        for name, rows in self.spans:
+        # Under autocast the adapter's products run in the autocast dtype whatever their input's: casting the input
+        # to the adapter's fp32 first (as PEFT does) would only add a copy of every targeted layer's input.
+        autocast = torch.is_autocast_enabled(x.device.type)
+        for name, index in self.spans:
             if name not in module.lora_A:  # a layer this adapter does not target
                 continue
             lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-            part = x[rows].to(lora_a.weight.dtype)
+            part = x[index] if autocast else x[index].to(lora_a.weight.dtype)
             delta = lora_b(lora_a(module.lora_dropout[name](part))) * module.scaling[name]
             # In place, as PEFT adds its own pass: the base layer's backward keeps its input, not its output.
-            output[rows] += delta.to(output.dtype)
+            output[index] += delta.to(output.dtype)
         return output
 
     def remove(self) -> None:

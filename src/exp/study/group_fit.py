@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from exp.core.config import ConfigError, LoggerKind, LossImpl, NonFinite, TrainConfig
 from exp.core.constants import IGNORE_INDEX
+from exp.data.batching import sequence_boundaries
 from exp.data.datamodule import build_run_datamodule
 from exp.model.adapters import RowRouter, adapter_parameters, save_adapter
 from exp.model.build import build_model, build_tokenizer, quiet_third_party_logs
@@ -158,26 +160,62 @@ def _validation_due(m: Member) -> bool:
     return bool(every) and m.step % every == 0 and m.last_val_step != m.step
 
 
-def _padded(batches: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """The micro-batches of several jobs as one batch, each padded on the right to the longest (a causal model's real
-    positions never see later ones, and padded labels take no loss)."""
-    length = max(b["input_ids"].shape[1] for b in batches)
+@dataclass(frozen=True)
+class Layout:
+    """Where each job's part of a combined batch sits: consecutive rows (`axis` 0) or consecutive tokens of its
+    single row (`axis` 1, padding-free micro-batches laid end to end); `counts` in the jobs' order."""
+
+    counts: list[int]
+    axis: int
+    length: int  # tokens per row
+
+    def index(self, j: int) -> tuple[slice, ...]:
+        """Job j's part of a [rows, tokens, ...] tensor."""
+        a = sum(self.counts[:j])
+        return (slice(None),) * self.axis + (slice(a, a + self.counts[j]),)
+
+    def flat(self, j: int) -> slice:
+        """Job j's part of the batch's positions, rows flattened end to end."""
+        scale = self.length if self.axis == 0 else 1
+        a = sum(self.counts[:j])
+        return slice(a * scale, (a + self.counts[j]) * scale)
+
+
+def _combine(batches: list[dict[str, torch.Tensor]], pad_id: int) -> tuple[dict[str, torch.Tensor], Layout]:
+    """The micro-batches of several jobs as one batch. Padding-free micro-batches of one row each (examples end to
+    end, position ids restarting at 0) are laid end to end in one row: the row's examples keep attending to
+    themselves only, and no job pads to another's length. Other micro-batches are stacked by rows, each padded on
+    the right to the longest (a causal model's real positions never see later ones, and padded labels take no
+    loss). Position-id rows get the boundaries of the combined row (exp.data.batching.sequence_boundaries)."""
     fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": 0}
-    out: dict[str, list[torch.Tensor]] = {}
-    for b in batches:
-        for k, v in b.items():
-            if k in fill:
-                out.setdefault(k, []).append(F.pad(v, (0, length - v.shape[1]), value=fill[k]))
-    if len(out.get("attention_mask", [])) not in (0, len(batches)):
+    flat_rows = all("position_ids" in b and "attention_mask" not in b for b in batches)
+    if len({"attention_mask" in b for b in batches}) > 1:
         raise ConfigError("a group's micro-batches disagree on carrying an attention mask")
-    return {k: torch.cat(v) for k, v in out.items()}
+    if flat_rows and all(b["input_ids"].shape[0] == 1 for b in batches):
+        out = {k: torch.cat([b[k] for b in batches], dim=1) for k in fill if k in batches[0]}
+        layout = Layout([b["input_ids"].shape[1] for b in batches], axis=1, length=out["input_ids"].shape[1])
+    else:
+        length = max(b["input_ids"].shape[1] for b in batches)
+        out = {
+            k: torch.cat([F.pad(b[k], (0, length - b[k].shape[1]), value=fill[k]) for b in batches])
+            for k in fill
+            if k in batches[0]
+        }
+        layout = Layout([b["input_ids"].shape[0] for b in batches], axis=0, length=length)
+    if flat_rows:
+        out |= sequence_boundaries(out["position_ids"])
+    return out, layout
 
 
-def _member_losses(
-    model: nn.Module, batch: dict[str, torch.Tensor], rows: list[int], impl: LossImpl
-) -> list[torch.Tensor]:
-    """Each job's mean next-token loss over its own rows' loss-bearing tokens, from one forward pass of all rows."""
-    bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _member_losses(model: nn.Module, batch: dict[str, Any], layout: Layout, impl: LossImpl) -> list[torch.Tensor]:
+    """Each job's mean next-token loss over its own part's loss-bearing tokens, from one forward pass of all parts.
+    A job's last position never takes the next part's first label: every part begins an example, whose first label
+    is ignored (padding-free) or lies in another row (stacked rows)."""
+    jobs = range(len(layout.counts))
     if impl == LossImpl.hf:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs, use_cache=False).logits
@@ -185,19 +223,15 @@ def _member_losses(
         targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
         return [
             F.cross_entropy(
-                logits[a:b].float().reshape(-1, logits.shape[-1]),
-                targets[a:b].reshape(-1).to(logits.device),
+                logits[layout.index(j)].float().reshape(-1, logits.shape[-1]),
+                targets[layout.index(j)].reshape(-1).to(logits.device),
                 ignore_index=IGNORE_INDEX,
             )
-            for a, b in zip(bounds, bounds[1:], strict=False)
+            for j in jobs
         ]
     h = head_inputs(model, batch)
-    length = batch["input_ids"].shape[1]
     loss = liger_linear_cross_entropy if impl == LossImpl.liger else chunked_linear_cross_entropy
-    return [
-        loss(h.hidden[a * length : b * length], h.weight, h.targets[a * length : b * length], h.softcap)
-        for a, b in zip(bounds, bounds[1:], strict=False)
-    ]
+    return [loss(h.hidden[layout.flat(j)], h.weight, h.targets[layout.flat(j)], h.softcap) for j in jobs]
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -221,48 +255,50 @@ def _group_step(
     loss-bearing tokens where that run is padding-free or length-grouped by step (`Member.token_weighted`), else
     equally (Lightning's accumulation)."""
     started = time.perf_counter()
-    accumulate = active[0].cfg.accumulate_grad_batches
-    steps = [[next(m.batches) for _ in range(accumulate)] for m in active]
+    # Padding-free data decides its micro-batches per step (each job's own count, from its own order).
+    steps = [[next(m.batches) for _ in range(m.datamodule.flat_accumulation or m.cfg.accumulate_grad_batches)]
+             for m in active]  # fmt: skip
     weights = []
-    for m, batches in zip(active, steps, strict=True):
+    real = [0] * len(active)
+    slots = [0] * len(active)
+    for j, (m, batches) in enumerate(zip(active, steps, strict=True)):
         for b in batches:
             b.pop("step_loss_tokens", None)  # recounted below from the step's own micro-batches
+            mask = b.get("attention_mask")
+            tokens = b.pop("real_tokens", None)  # padding-free rows say how many of their tokens are real
+            if tokens is None:
+                tokens = mask.sum() if mask is not None else b["input_ids"].numel()
+            real[j] += int(tokens)
+            slots[j] += b["input_ids"].numel()
         counts = [int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches]
         if m.token_weighted:
             total = sum(counts)
             weights.append([c / total if total else 0.0 for c in counts])
         else:
-            weights.append([1 / accumulate] * accumulate)
-        m.batches_seen += accumulate
-    real = dict.fromkeys((m.adapter for m in active), 0)
-    slots = dict.fromkeys(real, 0)
+            weights.append([1 / len(batches)] * len(batches))
+        m.batches_seen += len(batches)
     values: list[list[torch.Tensor]] = [[] for _ in active]
-    for i in range(accumulate):
-        micro = [batches[i] for batches in steps]
-        for m, b in zip(active, micro, strict=True):
-            mask = b.get("attention_mask")
-            real[m.adapter] += int(mask.sum()) if mask is not None else b["input_ids"].numel()
-            slots[m.adapter] += b["input_ids"].numel()
-        rows = [b["input_ids"].shape[0] for b in micro]
-        batch = {k: v.to(device, non_blocking=True) for k, v in _padded(micro, pad_id).items()}
-        router.route([(m.adapter, n) for m, n in zip(active, rows, strict=True)])
+    for i in range(max(len(batches) for batches in steps)):
+        part = [j for j, batches in enumerate(steps) if i < len(batches)]
+        batch, layout = _combine([steps[j][i] for j in part], pad_id)
+        router.route([(active[j].adapter, n) for j, n in zip(part, layout.counts, strict=True)], axis=layout.axis)
         with _autocast(device, active[0].cfg.hardware.precision):
-            per_member = _member_losses(model, batch, rows, impl)
+            per_member = _member_losses(model, _to(batch, device), layout, impl)
         total = 0
-        for j, loss in enumerate(per_member):
+        for j, loss in zip(part, per_member, strict=True):
             values[j].append(loss.detach().float())
             total = total + loss * weights[j][i]
         total.backward()
     # One read of every member's losses per step (a read per loss would stall the device once per member).
-    read = torch.stack([torch.stack(v) for v in values]).cpu()
+    read = torch.cat([torch.stack(v) for v in values]).cpu().split([len(v) for v in values])
     seconds = time.perf_counter() - started
     for j, m in enumerate(active):
         bad = not bool(torch.isfinite(read[j]).all())
         # train/loss is the step's last micro-batch loss, as Lightning logs a job run alone.
-        _update(m, bad, float(read[j, -1]))
-        m.step_tokens_per_s.append(real[m.adapter] / seconds)
-        m.tokens_trained += real[m.adapter]
-        m.step_padding.append(1 - real[m.adapter] / slots[m.adapter] if slots[m.adapter] else 0.0)
+        _update(m, bad, float(read[j][-1]))
+        m.step_tokens_per_s.append(real[j] / seconds)
+        m.tokens_trained += real[j]
+        m.step_padding.append(1 - real[j] / slots[j] if slots[j] else 0.0)
         if m.failed is None and (m.step % m.cfg.trainer.log_every_n_steps == 0 or not m.training):
             _log(m, {"train/tokens_per_s": m.step_tokens_per_s[-1], "train/padding": m.step_padding[-1]})
 
@@ -346,11 +382,11 @@ def _validate(
             part = [(j, {k: v for k, v in b.items() if k in VAL_KEYS}) for j, b in part if b is not None]
             if not part:
                 break
-            rows = [b["input_ids"].shape[0] for _, b in part]
-            batch = {k: v.to(device, non_blocking=True) for k, v in _padded([b for _, b in part], pad_id).items()}
-            router.route([(members[j].adapter, n) for (j, _), n in zip(part, rows, strict=True)])
+            batch, layout = _combine([b for _, b in part], pad_id)
+            router.route([(members[j].adapter, n) for (j, _), n in zip(part, layout.counts, strict=True)],
+                         axis=layout.axis)  # fmt: skip
             with _autocast(device, members[0].cfg.hardware.precision):
-                per_member = _member_metrics(model, batch, rows, impl)
+                per_member = _member_metrics(model, _to(batch, device), layout, impl)
             for (j, _), metrics in zip(part, per_member, strict=True):
                 add_sums(sums[j], metrics)
                 counts[j] += 1
@@ -382,33 +418,31 @@ def _validate(
 
 
 def _member_metrics(
-    model: nn.Module, batch: dict[str, torch.Tensor], rows: list[int], impl: LossImpl
+    model: nn.Module, batch: dict[str, Any], layout: Layout, impl: LossImpl
 ) -> list[dict[str, torch.Tensor]]:
-    """Each member's summed validation metrics from its own rows of one forward pass (exp.model.metrics)."""
-    bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
-    spans = list(zip(bounds, bounds[1:], strict=False))
+    """Each member's summed validation metrics from its own part of one forward pass (exp.model.metrics)."""
+    jobs = range(len(layout.counts))
 
-    def rows_of(a: int, b: int) -> dict[str, torch.Tensor]:
-        return {k: v[a:b] for k, v in batch.items()}
+    def part(j: int) -> dict[str, torch.Tensor]:
+        return {k: batch[k][layout.index(j)] for k in VAL_KEYS if k in batch}
 
     if impl == LossImpl.hf:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs, use_cache=False).logits
         return [
-            response_metrics(logits[a:b], batch["labels"][a:b], example_ids(rows_of(a, b)).to(logits.device))
-            for a, b in spans
+            response_metrics(logits[layout.index(j)], part(j)["labels"], example_ids(part(j)).to(logits.device))
+            for j in jobs
         ]
     h = head_inputs(model, batch)
-    length = batch["input_ids"].shape[1]
     return [
         chunked_response_metrics(
-            h.hidden[a * length : b * length],
+            h.hidden[layout.flat(j)],
             h.weight,
-            h.targets[a * length : b * length],
-            example_ids(rows_of(a, b)).to(h.targets.device),
+            h.targets[layout.flat(j)],
+            example_ids(part(j)).to(h.targets.device),
             h.softcap,
         )
-        for a, b in spans
+        for j in jobs
     ]
 
 

@@ -74,7 +74,7 @@ def plan_group(run_dirs: list[Path]) -> tuple[TrainConfig, list[Member]]:
     alone = run_preflight(cfgs[0])  # the micro-batch each job would take alone, and how it weights a step
     token_weighted = False
     if alone.ok:
-        cfgs = with_micro_batch(cfgs, alone.cfg.hardware.micro_batch_size)
+        cfgs = with_micro_batch(cfgs, alone.cfg.hardware.micro_batch_size, alone.cfg.hardware.micro_batch_tokens)
         token_weighted = alone.cfg.hardware.padding_free and not alone.cfg.data.packing
     check = run_preflight(shared_config(cfgs)) if alone.ok else alone
     if not check.ok:
@@ -89,9 +89,9 @@ def plan_group(run_dirs: list[Path]) -> tuple[TrainConfig, list[Member]]:
         return check.cfg, []
     members = []
     for run_dir, cfg in zip(run_dirs, cfgs, strict=True):
-        own_micro_batch = cfg.hardware.micro_batch_size
+        own = cfg.hardware
         cfg.hardware = copy.deepcopy(check.cfg.hardware)
-        cfg.hardware.micro_batch_size = own_micro_batch
+        cfg.hardware.micro_batch_size, cfg.hardware.micro_batch_tokens = own.micro_batch_size, own.micro_batch_tokens
         cfg.hardware.memory_budget_gib = load_run_config(run_dir).hardware.memory_budget_gib
         write_run_config(cfg, run_dir)  # what the job trains with, as a single run records it
         try:

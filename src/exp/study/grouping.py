@@ -37,14 +37,18 @@ def base_key(cfg: TrainConfig) -> str:
     return json.dumps(key, sort_keys=True, default=str)
 
 
-def with_micro_batch(cfgs: list[TrainConfig], micro_batch: int) -> list[TrainConfig]:
-    """The jobs' configs with the micro-batch each would resolve alone (the preflight's choice for one of them: they
-    share the hardware and data shape), fixed: a grouped job then takes the steps, micro-batches and validation
-    batches it would take alone."""
+def with_micro_batch(
+    cfgs: list[TrainConfig], micro_batch: int, micro_batch_tokens: int | None = None
+) -> list[TrainConfig]:
+    """The jobs' configs with the micro-batch (and padding-free token budget) each would resolve alone (the
+    preflight's choice for one of them: they share the hardware and data shape), fixed: a grouped job then takes the
+    steps, micro-batches and validation batches it would take alone."""
     out = []
     for c in cfgs:
         c = copy.deepcopy(c)
         c.hardware.micro_batch_size = micro_batch
+        if micro_batch_tokens is not None:
+            c.hardware.micro_batch_tokens = micro_batch_tokens
         c.hardware.auto_micro_batch = False
         out.append(c)
     return out
@@ -54,19 +58,22 @@ def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
     """The config the group's base is built and planned from: the first job's, with what one base under several
     adapters cannot do switched off, and the step's rows of every job together.
 
-    Compiling would trace the per-row routing (a Python list per forward) into every graph; kept weights fused with
-    one job's LoRA would hold that job's adapter only; padding-free rows hold one job's examples end to end, so the
-    group takes padded rows. Each job keeps its micro-batch (`with_micro_batch`; no auto_micro_batch: the jobs'
-    rows must line up); the preflight resolves what remains `auto` (recomputed and kept-dequantized layers) for all the rows
-    of a group step, so the group's choices fit the group, within the sum of the jobs' memory budgets where each
-    sets one. The largest adapter stands for the adapters' memory."""
+    Compiling would trace the per-part routing (a Python list per forward) into every graph; kept weights fused with
+    one job's LoRA would hold that job's adapter only. Padding-free jobs stay padding-free: their micro-batches are
+    laid end to end in one row (exp.study.group_fit). Each job keeps its micro-batch and token budget
+    (`with_micro_batch`; no auto_micro_batch: the jobs' parts must line up); the preflight resolves what remains
+    `auto` (recomputed and kept-dequantized layers) for all the parts of a group step, so the group's choices fit
+    the group, within the sum of the jobs' memory budgets where each sets one. The largest adapter stands for the
+    adapters' memory."""
     cfg = copy.deepcopy(cfgs[0])
     hw = cfg.hardware
     hw.compile = False
     hw.fuse_lora = False
-    hw.padding_free = False
     hw.auto_micro_batch = False
     hw.micro_batch_size = sum(c.hardware.micro_batch_size for c in cfgs)
+    if hw.padding_free:
+        tokens = [c.hardware.micro_batch_tokens or c.hardware.micro_batch_size * c.data.max_seq_len for c in cfgs]
+        hw.micro_batch_tokens = sum(tokens)
     # Jobs that each plan for a budget plan together for the sum (the base is counted once in it: room to spare).
     budgets = [c.hardware.memory_budget_gib for c in cfgs]
     hw.memory_budget_gib = None if None in budgets else round(sum(budgets), 2)

@@ -169,8 +169,9 @@ def plan_groups(jobs: list[PlannedJob], pool: Pool, records: list[StepRecord]) -
             continue
         try:
             cfgs = [j.cfg for j in members]
-            alone = resolve_alone(cfgs[0], pool.gpu).cfg.hardware.micro_batch_size
-            memory = job_memory(shared_config(with_micro_batch(cfgs, alone)), pool.gpu, pool.headroom, records)
+            alone = resolve_alone(cfgs[0], pool.gpu).cfg.hardware
+            shared = shared_config(with_micro_batch(cfgs, alone.micro_batch_size, alone.micro_batch_tokens))
+            memory = job_memory(shared, pool.gpu, pool.headroom, records)
         except ConfigError:
             memory = None
         too_big = (
