@@ -91,6 +91,23 @@ class DataFormat(str, Enum):
     sharegpt = "sharegpt"  # {conversations: [{from, value}]}
     text = "text"  # {text}: plain text, continued pre-training (every token carries loss)
     guanaco = "guanaco"  # {text: "### Human: ... ### Assistant: ..."} (oasst1 as used by QLoRA)
+    preference = "preference"  # {prompt, chosen, rejected}: text or conversations (exp.data.preference)
+    kto = "kto"  # {prompt, completion, label}: unpaired, label true for a desirable completion
+
+
+class Objective(str, Enum):
+    sft = "sft"  # next-token loss on the responses (the default)
+    dpo = "dpo"  # Direct Preference Optimization, against the base with the adapters off as the reference
+    orpo = "orpo"  # Odds Ratio Preference Optimization: the chosen NLL plus an odds-ratio term, no reference
+    simpo = "simpo"  # Simple Preference Optimization: length-normalised margins with a target, no reference
+    kto = "kto"  # Kahneman-Tversky Optimization: unpaired desirable / undesirable completions
+
+
+class DpoLoss(str, Enum):
+    sigmoid = "sigmoid"  # the DPO paper's -log sigmoid(beta * margin)
+    ipo = "ipo"  # IPO: (margin - 1 / (2 beta))^2 over per-token mean log-probs
+    hinge = "hinge"  # SLiC's hinge: relu(1 - beta * margin)
+    robust = "robust"  # DPO robust to label noise (label_smoothing is the flip rate)
 
 
 class BadRows(str, Enum):
@@ -277,6 +294,9 @@ class DataConfig:
     completion_field: str = "completion"
     messages_field: str = "messages"
     text_field: str = "text"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    label_field: str = "label"
     max_seq_len: int = 128
     # Held-out split: a fraction (< 1) or a number of examples (>= 1), drawn with `seed`.
     val_size: float = 0.1
@@ -367,6 +387,34 @@ class LoggerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the adapters are trained to do (docs/objectives.md): SFT's next-token loss, or a preference objective
+    on preference data (data.format=preference / kto, or the generated pairs of the synthetic default)."""
+
+    kind: Objective = Objective.sft
+    # The preference objectives' temperature (DPO, KTO: how far from the reference; ORPO: the odds-ratio term's
+    # weight lambda; SimPO: the reward scale).
+    beta: float = 0.1
+    dpo_loss: DpoLoss = DpoLoss.sigmoid
+    # DPO's robust loss and SimPO: the assumed rate of flipped preference labels.
+    label_smoothing: float = 0.0
+    # SimPO's target reward margin gamma, given as gamma / beta (the margin is simpo_gamma x beta).
+    simpo_gamma: float = 0.5
+    # KTO: weights of the desirable and undesirable examples' losses.
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def preference(self) -> bool:
+        return self.kind != Objective.sft
+
+    @property
+    def uses_reference(self) -> bool:
+        """DPO and KTO compare with the reference model (the base with the adapters off)."""
+        return self.kind in (Objective.dpo, Objective.kto)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
@@ -375,6 +423,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     # Name of the experiment (set by `experiment=` files); becomes a tag and part of the run name.
     experiment_name: str | None = None
     # The console shows exp's own lines and warnings; true (or -v) adds the INFO logs of Lightning, transformers and
@@ -414,6 +463,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if p:  # every range check below would report the same keys again, less clearly
         return p
     m, q, lo, hw, d, t = cfg.model, cfg.quantization, cfg.lora, cfg.hardware, cfg.data, cfg.trainer
+    p += objective_problems(cfg)
     if not (m.path or m.hub_id or m.random_init):
         p.append(f"model '{m.name}' has no weights: set model.path=<dir>, model.hub_id=<id> or model.random_init=true")
     if m.random_init and not m.arch:
@@ -747,6 +797,48 @@ def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     ]
 
 
+def objective_problems(cfg: TrainConfig) -> list[str]:
+    """An objective and its data must agree: preference objectives read pairs (KTO: labelled completions), SFT
+    reads examples."""
+    o, d, p = cfg.objective, cfg.data, []
+    paired = (DataFormat.preference, DataFormat.synthetic)
+    if o.kind == Objective.kto and d.format not in (DataFormat.kto, DataFormat.synthetic):
+        p.append(
+            f"objective=kto with data.format={d.format.value}: KTO reads unpaired labelled completions; use "
+            "data.format=kto ({prompt, completion, label}) or the synthetic default"
+        )
+    elif o.preference and o.kind != Objective.kto and d.format not in paired:
+        p.append(
+            f"objective={o.kind.value} with data.format={d.format.value}: {o.kind.value} reads preference pairs; use "
+            "data.format=preference ({prompt, chosen, rejected}) or the synthetic default"
+        )
+    elif not o.preference and d.format in (DataFormat.preference, DataFormat.kto):
+        p.append(
+            f"data.format={d.format.value} is preference data: pick a preference objective, e.g. objective=dpo "
+            "(objective=kto for data.format=kto)"
+        )
+    if o.preference:
+        if o.beta <= 0:
+            p.append(f"objective.beta={o.beta}: must be > 0, e.g. objective.beta=0.1")
+        if not 0 <= o.label_smoothing < 0.5:
+            p.append(f"objective.label_smoothing={o.label_smoothing}: a flip rate in [0, 0.5), e.g. 0.1")
+        elif o.label_smoothing and (
+            o.kind in (Objective.orpo, Objective.kto) or (o.kind == Objective.dpo and o.dpo_loss != DpoLoss.robust)
+        ):
+            p.append(
+                f"objective.label_smoothing={o.label_smoothing} with objective={o.kind.value}"
+                + (f" objective.dpo_loss={o.dpo_loss.value}" if o.kind == Objective.dpo else "")
+                + ": only DPO's robust loss and SimPO model flipped labels; use objective.dpo_loss=robust or "
+                "objective.label_smoothing=0"
+            )
+        if d.packing:
+            p.append(
+                f"data.packing=true with objective={o.kind.value}: a preference batch keeps each completion in its own "
+                "row beside its pair; set data.packing=false"
+            )
+    return p
+
+
 def register_configs() -> None:
     """Register the root schema; the YAML files under conf/ are validated against it at composition."""
     cs = ConfigStore.instance()
@@ -765,6 +857,8 @@ __all__ = [
     "LoggerKind",
     "LoraConfig",
     "LossImpl",
+    "Objective",
+    "ObjectiveConfig",
     "ModelConfig",
     "ModelFamily",
     "Optimizer",

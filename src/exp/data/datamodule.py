@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from exp.core.config import ConfigError, DataConfig, LengthGrouping, TrainConfig
+from exp.core.config import ConfigError, DataConfig, LengthGrouping, Objective, TrainConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.data.batching import (
     ShardSampler,
@@ -30,6 +30,7 @@ from exp.data.batching import (
 from exp.data.encoding import loss_tokens
 from exp.data.packing import pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, validation_groups
+from exp.data.preference import PreferenceDataModule
 from exp.data.splits import Splits, build_splits
 
 log = logging.getLogger(__name__)
@@ -295,12 +296,17 @@ def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
 
 
 def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | None = None) -> InstructionDataModule:
-    """The DataModule a training run of `cfg` uses (its micro-batches, accumulation and ranks)."""
+    """The DataModule a training run of `cfg` uses (its micro-batches, accumulation and ranks); preference
+    objectives read pairs (exp.data.preference)."""
+    workers = cfg.hardware.num_workers if num_workers is None else num_workers
+    if cfg.objective.preference:
+        unpaired = cfg.objective.kind == Objective.kto
+        return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers)
     return build_datamodule(
         cfg.data,
         tokenizer,
         cfg.hardware.micro_batch_size,
-        cfg.hardware.num_workers if num_workers is None else num_workers,
+        workers,
         cfg.accumulate_grad_batches * cfg.data_parallel_size,
         flat_batching(cfg),
     )

@@ -72,12 +72,25 @@ def required_columns(cfg: DataConfig) -> list[str]:
         DataFormat.sharegpt: [cfg.messages_field],
         DataFormat.text: [cfg.text_field],
         DataFormat.guanaco: [cfg.text_field],
+        DataFormat.preference: [cfg.chosen_field, cfg.rejected_field],
+        DataFormat.kto: [cfg.prompt_field, cfg.completion_field, cfg.label_field],
     }[cfg.format]
 
 
 def field_key(cfg: DataConfig, column: str) -> str:
     """The config key that names `column` (for error messages that say how to remap it)."""
-    for key in ("instruction", "input", "output", "prompt", "completion", "messages", "text"):
+    for key in (
+        "instruction",
+        "input",
+        "output",
+        "prompt",
+        "completion",
+        "messages",
+        "text",
+        "chosen",
+        "rejected",
+        "label",
+    ):
         if getattr(cfg, f"{key}_field") == column:
             return f"data.{key}_field"
     return "data.<format>_field"

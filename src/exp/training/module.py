@@ -25,6 +25,7 @@ from exp.model.loss_plan import LossChoice
 from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
+from exp.training.objectives import preference_loss, preference_rates
 
 log = logging.getLogger("exp.module")
 
@@ -202,6 +203,8 @@ class QLoRAModule(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.cfg.objective.preference:
+            return self._preference_step(batch)
         step_tokens = batch.pop("step_loss_tokens", None)
         # transformers' `model(**batch).loss`, or the same loss without the full logits (exp.model.loss).
         with self._saved_tensors_place():
@@ -212,6 +215,20 @@ class QLoRAModule(L.LightningModule):
         if step_tokens is not None:
             loss = step_token_weighted(loss, batch["labels"], step_tokens, self.trainer.accumulate_grad_batches,
                                        self.trainer.world_size)  # fmt: skip
+        return loss
+
+    def _preference_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A preference objective's mean loss over the micro-batch's pairs (exp.training.objectives); equal-sized
+        micro-batches make Lightning's mean over them the step's mean over pairs."""
+        with self._saved_tensors_place():
+            loss, sums = preference_loss(self.model, batch, self.cfg.objective, self.loss_choice.impl)
+        value = loss.detach()
+        self._loss_bad = ~torch.isfinite(value) | self._loss_bad
+        self._log_train("train/loss", value, prog_bar=True)
+        pairs = sums["pairs"]
+        for name in ("accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected"):
+            if name in sums:
+                self._log_train(f"train/{name.replace('_', '/', 1)}", sums[name] / pairs, prog_bar=name == "accuracy")
         return loss
 
     def _saved_tensors_place(self) -> contextlib.AbstractContextManager:
@@ -359,7 +376,10 @@ class QLoRAModule(L.LightningModule):
         # (a graph per grad mode and length), which on a fresh machine costs more than the whole validation of a
         # held-out split in eager mode.
         with torch.compiler.set_stance("force_eager"):
-            metrics = batch_response_metrics(self.model, batch, self.loss_choice.impl)
+            if self.cfg.objective.preference:
+                metrics = preference_loss(self.model, batch, self.cfg.objective, self.loss_choice.impl)[1]
+            else:
+                metrics = batch_response_metrics(self.model, batch, self.loss_choice.impl)
         add_sums(self._val_sums, metrics)
         self._val_batches += 1
 
@@ -367,8 +387,9 @@ class QLoRAModule(L.LightningModule):
         sums = {k: self.trainer.strategy.reduce(v, reduce_op="sum") for k, v in self._val_sums.items()}
         if not sums:
             return
-        self._record_validation_time(int(sums["examples"]))
-        metrics = {f"val/{k}": v for k, v in validation_rates(sums).items()}
+        self._record_validation_time(int(sums["pairs" if self.cfg.objective.preference else "examples"]))
+        rates = preference_rates(sums) if self.cfg.objective.preference else validation_rates(sums)
+        metrics = {f"val/{k}": v for k, v in rates.items()}
         self.last_val = metrics
         if self.trainer.sanity_checking:
             # The sanity check runs on the untrained adapters: record it as the step-0 evaluation. Lightning

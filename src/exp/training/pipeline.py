@@ -205,6 +205,22 @@ def compile_line(s: dict) -> str:
     return f"\n  compile         {c['graphs']} graphs in {c['seconds']} s{warmup}"
 
 
+def _quality_lines(s: dict, first: dict, last: dict) -> str:
+    """What the held-out split says beyond the loss: SFT's token accuracy and exact match, or a preference
+    objective's accuracy (chosen rewarded above rejected; a coin flip is 0.5) and reward margin."""
+    if "val/accuracy" in last:
+        return (
+            f"  preference acc. {first.get('val/accuracy', float('nan')):.3f} -> {last['val/accuracy']:.3f} "
+            f"(chance {s['chance_token_accuracy']:.1f})\n"
+            f"  reward margin   {first.get('val/rewards/margin', float('nan')):.3f} -> {last['val/rewards/margin']:.3f}\n"
+        )
+    return (
+        f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
+        f"{s['chance_token_accuracy']:.3f})\n"
+        f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
+    )
+
+
 def print_summary(s: dict, output_dir: Path) -> None:
     """The run's outcome on the console, and in train.log."""
 
@@ -215,9 +231,7 @@ def print_summary(s: dict, output_dir: Path) -> None:
     text = (
         f"exp: {s['steps']} steps in {s['seconds']:.0f} s -> {output_dir}\n"
         f"  val loss        {first.get('val/loss', float('nan')):.3f} -> {last['val/loss']:.3f} ({drop:.0f}% lower)\n"
-        f"  token accuracy  {last['val/token_accuracy']:.3f} (majority-token baseline "
-        f"{s['chance_token_accuracy']:.3f})\n"
-        f"  exact match     {last['val/exact_match']:.3f} (step 0: {first.get('val/exact_match', 0):.3f})\n"
+        + _quality_lines(s, first, last)
         + (f"  validated on    {s['data']['validated_on']}\n" if s.get("data", {}).get("validated_on") else "")
         + f"  throughput      {s['tokens_per_s_median']} real tokens/s (median step{ranks})"
         + (f", {s['padding_fraction']:.1%} padding" if s.get("padding_fraction") is not None else "")

@@ -42,6 +42,9 @@ def prompt_ids_from_heldout(datamodule: Any, count: int) -> list[list[int]]:
     """The prompt part (ids before the first loss-bearing token) of the first `count` held-out examples."""
     prompts = []
     for enc in getattr(datamodule, "val_set", [])[:count]:
+        if hasattr(enc, "prompt"):  # a preference example: its prompt, as the pairs' completions follow it
+            prompts.append(list(enc.prompt))
+            continue
         first = next((i for i, t in enumerate(enc.labels) if t != IGNORE_INDEX), 0)
         if first > 0 and first < len(enc.input_ids):  # labels on the whole text (train_on_prompt, text format): none
             prompts.append(enc.input_ids[:first])

@@ -1,0 +1,319 @@
+"""Preference data: pairs (a prompt with a chosen and a rejected completion) for DPO, ORPO and SimPO, and unpaired
+examples (a prompt, a completion, and whether it is desirable) for KTO.
+
+Formats (`data.format`):
+* `preference`: `{prompt, chosen, rejected}`. Text completions follow the prompt directly and end with `<eos>`, as
+  `prompt_completion` renders them. Conversations (chosen and rejected as lists of `{role, content}` messages) are
+  rendered with the tokenizer's chat template: the prompt is `prompt` (a list of messages, or a string as one user
+  turn), or else the messages the two conversations share before their last (assistant) turn.
+* `kto`: `{prompt, completion, label}` with `label` true for a desirable completion; completions as above.
+* `synthetic` (the embedded default): the generated task of exp.data.synthetic, with its right answer chosen and a
+  corrupted one (a word replaced, two swapped, or the last dropped) rejected; for KTO each example is the right or
+  the corrupted answer, half and half.
+
+Every row becomes `prompt` ids (`<bos>` first) and completion ids; only completion tokens carry the loss. Truncation
+keeps the prompt whole and cuts each completion to fit `data.max_seq_len`; a row whose prompt leaves no room for a
+completion token is dropped and counted (`too_long`). Rows that cannot be read are skipped or refused as
+`data.on_bad_rows` says, with their row numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat
+from exp.core.constants import IGNORE_INDEX
+from exp.data.batching import ShardSampler, TrainStream, shuffled_batches
+from exp.data.formats import CHAT_ROLES, BadRow, _apply, format_prompt
+from exp.data.sources import read_source
+from exp.data.splits import split_rows
+from exp.data.synthetic import WORDS, generate_examples
+
+log = logging.getLogger(__name__)
+PREFERENCE_FORMATS = (DataFormat.preference, DataFormat.kto)
+
+
+@dataclass
+class PreferenceExample:
+    prompt: list[int]
+    chosen: list[int]  # the completion (KTO: the only one, desirable or not)
+    rejected: list[int] | None = None  # None for unpaired (KTO) examples
+    desirable: bool = True  # KTO's label
+
+
+def corrupt(words: list[str], rng: random.Random) -> list[str]:
+    """A wrong answer close to the right one: a word replaced, two swapped, or the last dropped (never the same)."""
+    out = list(words)
+    kind = rng.randrange(3)
+    if kind == 0 or len(set(out)) < 2:
+        i = rng.randrange(len(out))
+        out[i] = rng.choice([w for w in WORDS if w != out[i]])
+    elif kind == 1:
+        i, j = rng.sample([k for k in range(len(out))], 2)
+        while out[i] == out[j]:
+            i, j = rng.sample([k for k in range(len(out))], 2)
+        out[i], out[j] = out[j], out[i]
+    else:
+        out = out[:-1]
+    return out
+
+
+def synthetic_rows(cfg: DataConfig, unpaired: bool) -> list[dict[str, Any]]:
+    """The generated task as preference rows (text)."""
+    rng = random.Random(cfg.seed + 1)
+    rows = []
+    for r in generate_examples(cfg.num_examples, cfg.seed):
+        prompt = format_prompt(r["instruction"], r["input"])
+        wrong = " ".join(corrupt(r["output"].split(), rng))
+        if unpaired:
+            good = rng.random() < 0.5
+            rows.append({"prompt": prompt, "completion": r["output"] if good else wrong, "label": good})
+        else:
+            rows.append({"prompt": prompt, "chosen": r["output"], "rejected": wrong})
+    return rows
+
+
+def _messages(value: Any, column: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"'{column}' is not a non-empty list of messages")
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow(f"'{column}' message {j} lacks a string 'role' / 'content'")
+        if m["role"] not in CHAT_ROLES:
+            raise BadRow(f"'{column}' message {j} has role '{m['role']}' (expected one of {', '.join(CHAT_ROLES)})")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+class _Encoder:
+    """Token ids of one row's prompt and completions, as the module docstring says."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any) -> None:
+        self.cfg, self.tok = cfg, tokenizer
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_and_completions(self, prompt: Any, completions: list[tuple[str, Any]]) -> tuple[str, list[str]]:
+        """The prompt text and each completion's text (`completions`: (column, value) pairs)."""
+        chat = [isinstance(v, list) for _, v in completions]
+        if not any(chat):
+            if not isinstance(prompt, str):
+                raise BadRow(f"'{self.cfg.prompt_field}' is {type(prompt).__name__}, not a string")
+            for column, value in completions:
+                if not isinstance(value, str) or not value.strip():
+                    raise BadRow(f"'{column}' is not a non-empty string")
+            return prompt, [v + self.tok.eos_token for _, v in completions]
+        if not all(chat):
+            raise BadRow("the completions mix text and conversations")
+        if getattr(self.tok, "chat_template", None) is None:
+            raise BadRow("conversations need a tokenizer with a chat template")
+        conversations = [_messages(v, c) for c, v in completions]
+        if prompt is None:  # the shared turns before the last one are the prompt
+            head = conversations[0][:-1]
+            if any(conv[:-1] != head for conv in conversations) or not head:
+                raise BadRow("the conversations do not share their turns before the last one (give a prompt)")
+            prompt_msgs = head
+        else:
+            prompt_msgs = (
+                [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _messages(prompt, "prompt")
+            )
+        prompt_text = _apply(self.tok, prompt_msgs, True)
+        texts = []
+        for (column, _), conv in zip(completions, conversations, strict=True):
+            last = conv[-1]
+            if last["role"] != "assistant" or not last["content"].strip():
+                raise BadRow(f"'{column}' does not end with a non-empty assistant message")
+            full = _apply(self.tok, [*prompt_msgs, last], False)
+            if not full.startswith(prompt_text):
+                raise BadRow("the chat template does not render the prompt as a prefix of the conversation")
+            texts.append(full[len(prompt_text) :].rstrip("\n"))
+        return prompt_text.removeprefix(self.tok.bos_token or ""), texts
+
+    def encode(self, prompt_text: str, completion_texts: list[str]) -> tuple[list[int], list[list[int]]] | None:
+        """Ids of the prompt (with `<bos>`) and the completions cut to fit; None when no completion token fits."""
+        prompt = [self.tok.bos_token_id, *self._ids(prompt_text)]
+        room = self.cfg.max_seq_len - len(prompt)
+        if room < 1:
+            return None
+        return prompt, [self._ids(t)[:room] for t in completion_texts]
+
+
+def encode_rows(
+    cfg: DataConfig, rows: Any, tokenizer: Any, source: str
+) -> tuple[list[PreferenceExample], dict[str, int]]:
+    """The usable examples of `rows` and the counts of what was dropped."""
+    enc = _Encoder(cfg, tokenizer)
+    out: list[PreferenceExample] = []
+    bad: list[tuple[int, str]] = []
+    too_long = 0
+    for i, row in enumerate(rows):
+        try:
+            prompt = row.get(cfg.prompt_field)
+            if cfg.format == DataFormat.kto:
+                label = row.get(cfg.label_field)
+                if not isinstance(label, bool):
+                    raise BadRow(f"'{cfg.label_field}' is {type(label).__name__}, not true / false")
+                columns = [(cfg.completion_field, row.get(cfg.completion_field))]
+            else:
+                label = True
+                columns = [
+                    (cfg.chosen_field, row.get(cfg.chosen_field)),
+                    (cfg.rejected_field, row.get(cfg.rejected_field)),
+                ]
+            for column, value in columns:
+                if value is None:
+                    raise BadRow(f"missing '{column}'")
+            prompt_text, texts = enc.prompt_and_completions(prompt, columns)
+            encoded = enc.encode(prompt_text, texts)
+        except BadRow as e:
+            bad.append((i, str(e)))
+            continue
+        if encoded is None or not all(encoded[1]):
+            too_long += 1
+            continue
+        ids, completions = encoded
+        rejected = completions[1] if len(completions) > 1 else None
+        out.append(PreferenceExample(ids, completions[0], rejected, label))
+    if bad:
+        shown = "; ".join(f"row {i}: {why}" for i, why in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        message = (
+            f"{source}: {len(bad)} of {len(rows)} rows cannot be used as data.format={cfg.format.value}: {shown}{more}"
+        )
+        if cfg.on_bad_rows == BadRows.fail:
+            raise ConfigError(
+                f"{message}. Fix the rows, map the columns (data.prompt_field, data.chosen_field, ...), or set data.on_bad_rows=skip."
+            )
+        log.warning("%s; skipped (data.on_bad_rows=skip)", message)
+    if not out:
+        raise ConfigError(
+            f"{source}: no usable preference rows for data.format={cfg.format.value} (bad: {len(bad)}, prompt too long "
+            f"for data.max_seq_len={cfg.max_seq_len}: {too_long})"
+        )
+    return out, {"rows": len(rows), "bad_rows": len(bad), "too_long": too_long}
+
+
+def preference_splits(
+    cfg: DataConfig, tokenizer: Any, unpaired: bool
+) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, int]]:
+    """Training and held-out examples (held out: data.val_path's rows, else `data.val_size` of them by `data.seed`)."""
+    if cfg.format == DataFormat.synthetic and not cfg.path:
+        source = DataConfig(**{**cfg.__dict__, "format": DataFormat.kto if unpaired else DataFormat.preference})
+        examples, counts = encode_rows(source, synthetic_rows(cfg, unpaired), tokenizer, "synthetic")
+    else:
+        rows = read_source(cfg, cfg.path, "data.path")
+        examples, counts = encode_rows(cfg, list(rows.rows), tokenizer, rows.name)
+    if cfg.val_path:
+        val_rows = read_source(cfg, cfg.val_path, "data.val_path")
+        val, _ = encode_rows(cfg, list(val_rows.rows), tokenizer, val_rows.name)
+        return examples, val, counts
+    train, val = split_rows(examples, cfg.val_size, cfg.seed)
+    return train, val, counts
+
+
+def _row(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
+    return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
+
+
+def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Paired examples: the chosen rows, then the rejected rows (2B rows, one forward). Unpaired (KTO): the examples'
+    rows, then B rows of each prompt with the next example's completion (the mismatched pairs KTO's reference point
+    is estimated from), and `desirable` [B]. Padded on the right, with an attention mask."""
+    if items[0].rejected is not None:
+        rows = [_row(e.prompt, e.chosen) for e in items] + [_row(e.prompt, e.rejected) for e in items]
+    else:
+        n = len(items)
+        rows = [_row(e.prompt, e.chosen) for e in items]
+        rows += [_row(e.prompt, items[(i + 1) % n].chosen) for i, e in enumerate(items)]
+    length = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, : len(i)] = torch.tensor(i)
+        labels[r, : len(lab)] = torch.tensor(lab)
+        mask[r, : len(i)] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if items[0].rejected is None:
+        batch["desirable"] = torch.tensor([e.desirable for e in items])
+    return batch
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    """The preference splits, batched by examples (pairs, or KTO's labelled completions) in a seeded order that a
+    resumed run continues from its position; validation in split order. Padded rows: a pair's two completions are
+    scored apart, so nothing is laid end to end."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, unpaired: bool, num_workers: int = 0):
+        super().__init__()
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
+        self.train_set, self.val_set, counts = preference_splits(cfg, tokenizer, unpaired)
+        self.start_batch = 0
+        kind = "unpaired completions" if unpaired else "pairs"
+        self.stats: dict[str, Any] = {
+            "train": {"examples": len(self.train_set)},
+            "val": {"examples": len(self.val_set)},
+            "bad_rows": counts["bad_rows"],
+            "too_long": counts["too_long"],
+            "kind": kind,
+        }
+        log.info(
+            "data: %d training and %d held-out %s (%d rows; %d bad, %d with a prompt too long)",
+            len(self.train_set), len(self.val_set), kind, counts["rows"], counts["bad_rows"], counts["too_long"],
+        )  # fmt: skip
+
+    # What the training pipeline reads of a DataModule.
+    flat_accumulation = None
+    step_weighted = False
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.train_set) // self.micro_batch_size
+
+    def majority_token_accuracy(self) -> float:
+        """The chance level a researcher compares preference accuracy with: a coin flip."""
+        return 0.5
+
+    def resume_at(self, batches_seen: int) -> None:
+        self.start_batch = batches_seen
+
+    def _rank(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank()
+        if self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"the training split has {len(self.train_set)} preference examples, fewer than one micro-batch of "
+                f"{self.micro_batch_size}: lower hardware.micro_batch_size or use more data"
+            )
+        n, size, seed = len(self.train_set), self.micro_batch_size, self.cfg.seed
+        stream = TrainStream(lambda e: shuffled_batches(n, size, seed, e), rank, world, start=self.start_batch)
+        return DataLoader(
+            self.train_set,
+            batch_sampler=stream,
+            collate_fn=functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id),
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank()
+        return DataLoader(
+            self.val_set,
+            batch_size=self.micro_batch_size,
+            sampler=ShardSampler(len(self.val_set), rank, world),
+            collate_fn=functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id),
+            num_workers=self.num_workers,
+        )

@@ -1,0 +1,147 @@
+"""A preference objective's loss and metrics for one batch (`objective=dpo|orpo|simpo|kto`, docs/objectives.md).
+
+One forward pass scores every row of the batch (a pair's chosen rows, then its rejected rows; KTO: the examples,
+then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
+its completion tokens. The reference model of DPO and KTO is the same 4-bit base with the adapters switched off
+(PEFT's `disable_adapter`), scored without gradients: no second model in memory. The losses themselves are
+exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
+
+Metrics, summed so that a split's rates weight every pair alike (`validation_rates` divides by `pairs`): rewards
+of chosen and rejected (beta x the policy's log-probability over the reference's; ORPO and SimPO, which have no
+reference: beta x the per-token mean log-probability), their margin, preference accuracy (chosen rewarded above
+rejected) and the log-probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exp.core.config import DpoLoss, LossImpl, Objective, ObjectiveConfig
+from exp.model.loss import head_inputs
+from exp.model.preference import (
+    chunked_sequence_logps,
+    dpo_loss,
+    kto_loss,
+    orpo_loss,
+    sequence_logps,
+    simpo_loss,
+)
+
+
+def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed completion log-probability and its completion token count (without the full logits
+    unless the loss implementation is transformers' own)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+    if impl == LossImpl.hf:
+        logits = model(**inputs, use_cache=False).logits
+        return sequence_logps(logits, batch["labels"].to(logits.device))
+    h = head_inputs(model, {**inputs, "labels": batch["labels"]})
+    rows, length = batch["labels"].shape
+    hidden = h.hidden.reshape(rows, length, -1)
+    return chunked_sequence_logps(hidden, h.weight, batch["labels"].to(hidden.device), h.softcap)
+
+
+def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
+    """The rows' log-probabilities under the base alone (the adapters off, no gradients)."""
+    with torch.no_grad(), model.disable_adapter():
+        return row_logps(model, batch, impl)[0]
+
+
+def preference_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig, impl: LossImpl
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The batch's mean loss (over its pairs, or KTO's examples) and its metric sums (detached)."""
+    desirable = batch.get("desirable")
+    logps, counts = row_logps(model, batch, impl)
+    half = logps.shape[0] // 2
+    ref = reference_logps(model, batch, impl) if o.uses_reference else None
+    if o.kind == Objective.kto:
+        return _kto(logps, ref, desirable.to(logps.device), o, half)
+    chosen, rejected = logps[:half], logps[half:]
+    n_chosen, n_rejected = counts[:half].clamp(min=1), counts[half:].clamp(min=1)
+    sums: dict[str, torch.Tensor] = {}
+    if o.kind == Objective.dpo:
+        if o.dpo_loss == DpoLoss.ipo:  # IPO compares per-token mean log-probabilities
+            args = (chosen / n_chosen, rejected / n_rejected, ref[:half] / n_chosen, ref[half:] / n_rejected)
+        else:
+            args = (chosen, rejected, ref[:half], ref[half:])
+        out = dpo_loss(*args, beta=o.beta, loss_type=o.dpo_loss.value, label_smoothing=o.label_smoothing)
+        loss = out.losses.mean()
+    elif o.kind == Objective.orpo:
+        out = orpo_loss(chosen / n_chosen, rejected / n_rejected, beta=o.beta)
+        nll = -(chosen / n_chosen)  # the chosen completion's per-token NLL, the SFT part of ORPO
+        loss = nll.mean() + out.losses.mean()
+        sums["nll"] = nll.detach().sum()
+    else:
+        out = simpo_loss(
+            chosen / n_chosen, rejected / n_rejected, beta=o.beta, gamma_beta_ratio=o.simpo_gamma,
+            label_smoothing=o.label_smoothing,
+        )  # fmt: skip
+        loss = out.losses.mean()
+    c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+    sums |= {
+        "pairs": torch.tensor(float(half), device=c.device),
+        "loss": out.losses.detach().sum() + sums.get("nll", torch.zeros((), device=c.device)),
+        "rewards_chosen": c.sum(),
+        "rewards_rejected": r.sum(),
+        "rewards_margin": (c - r).sum(),
+        "accuracy": (c > r).float().sum(),
+        "logps_chosen": chosen.detach().sum(),
+        "logps_rejected": rejected.detach().sum(),
+    }
+    return loss, sums
+
+
+def _kto(logps, ref, desirable, o: ObjectiveConfig, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO over a batch's n labelled rows, with the n mismatched rows after them as its reference point."""
+    policy, kl_policy = logps[:n], logps[n:]
+    ref_rows, kl_ref = ref[:n], ref[n:]
+    out = kto_loss(
+        policy[desirable], policy[~desirable], ref_rows[desirable], ref_rows[~desirable], kl_policy, kl_ref,
+        beta=o.beta, desirable_weight=o.desirable_weight, undesirable_weight=o.undesirable_weight,
+    )  # fmt: skip
+    c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+    zero = torch.zeros((), device=logps.device)
+    sums = {
+        "pairs": torch.tensor(float(n), device=logps.device),
+        "loss": out.losses.detach().sum(),
+        "desirable": torch.tensor(float(c.numel()), device=logps.device),
+        "rewards_chosen": c.sum() if c.numel() else zero,
+        "rewards_rejected": r.sum() if r.numel() else zero,
+        # A desirable completion is rewarded above 0, an undesirable one below: KTO's accuracy.
+        "accuracy": (c > 0).float().sum() + (r < 0).float().sum(),
+        "logps_chosen": policy[desirable].detach().sum(),
+        "logps_rejected": policy[~desirable].detach().sum(),
+    }
+    return out.losses.mean(), sums
+
+
+def preference_rates(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Rates from summed metrics: per pair (KTO: per example; its rewards and log-probs per desirable or
+    undesirable example)."""
+    s = {k: float(v) for k, v in sums.items()}
+    n = max(s.get("pairs", 0.0), 1.0)
+    if "desirable" in s:
+        good, bad = max(s["desirable"], 1.0), max(s["pairs"] - s["desirable"], 1.0)
+        return {
+            "loss": s["loss"] / n,
+            "accuracy": s["accuracy"] / n,
+            "rewards/chosen": s["rewards_chosen"] / good,
+            "rewards/rejected": s["rewards_rejected"] / bad,
+            "rewards/margin": s["rewards_chosen"] / good - s["rewards_rejected"] / bad,
+            "logps/chosen": s["logps_chosen"] / good,
+            "logps/rejected": s["logps_rejected"] / bad,
+        }
+    out = {
+        "loss": s["loss"] / n,
+        "accuracy": s["accuracy"] / n,
+        "rewards/chosen": s["rewards_chosen"] / n,
+        "rewards/rejected": s["rewards_rejected"] / n,
+        "rewards/margin": s["rewards_margin"] / n,
+        "logps/chosen": s["logps_chosen"] / n,
+        "logps/rejected": s["logps_rejected"] / n,
+    }
+    if "nll" in s:
+        out["nll"] = s["nll"] / n
+    return out
