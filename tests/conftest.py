@@ -169,6 +169,6 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Co
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,  # a hang guard, not a speed check: the run takes minutes, longer on a busy machine
     )
     return proc, run_dir, launch
