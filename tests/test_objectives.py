@@ -148,6 +148,8 @@ def test_each_objective_trains_and_records_its_metrics(objective, tmp_path):
     if objective in ("dpo", "kto"):
         assert summary["initial_val"]["val/rewards/chosen"] == 0.0
         assert summary["initial_val"]["val/rewards/rejected"] == 0.0
+        # Trained adapters move the policy off its reference: a reference that kept the adapters on would leave 0.
+        assert final["val/rewards/chosen"] != 0.0 and final["val/rewards/rejected"] != 0.0
     else:  # ORPO and SimPO reward the policy's own per-token log-probabilities: negative
         assert summary["initial_val"]["val/rewards/chosen"] < 0
     if objective == "orpo":

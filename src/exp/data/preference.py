@@ -19,6 +19,7 @@ completion token is dropped and counted (`too_long`). Rows that cannot be read a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -57,9 +58,9 @@ def corrupt(words: list[str], rng: random.Random) -> list[str]:
         i = rng.randrange(len(out))
         out[i] = rng.choice([w for w in WORDS if w != out[i]])
     elif kind == 1:
-        i, j = rng.sample([k for k in range(len(out))], 2)
+        i, j = rng.sample(range(len(out)), 2)
         while out[i] == out[j]:
-            i, j = rng.sample([k for k in range(len(out))], 2)
+            i, j = rng.sample(range(len(out)), 2)
         out[i], out[j] = out[j], out[i]
     else:
         out = out[:-1]
@@ -208,7 +209,7 @@ def preference_splits(
 ) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, int]]:
     """Training and held-out examples (held out: data.val_path's rows, else `data.val_size` of them by `data.seed`)."""
     if cfg.format == DataFormat.synthetic and not cfg.path:
-        source = DataConfig(**{**cfg.__dict__, "format": DataFormat.kto if unpaired else DataFormat.preference})
+        source = dataclasses.replace(cfg, format=DataFormat.kto if unpaired else DataFormat.preference)
         examples, counts = encode_rows(source, synthetic_rows(cfg, unpaired), tokenizer, "synthetic")
     else:
         rows = read_source(cfg, cfg.path, "data.path")

@@ -20,6 +20,7 @@ from torch import nn
 from exp.core.config import DpoLoss, LossImpl, Objective, ObjectiveConfig
 from exp.model.loss import head_inputs
 from exp.model.preference import (
+    average_logps,
     chunked_sequence_logps,
     dpo_loss,
     kto_loss,
@@ -59,25 +60,24 @@ def preference_loss(
     if o.kind == Objective.kto:
         return _kto(logps, ref, desirable.to(logps.device), o, half)
     chosen, rejected = logps[:half], logps[half:]
-    n_chosen, n_rejected = counts[:half].clamp(min=1), counts[half:].clamp(min=1)
+    # Per-token means: what IPO, ORPO and SimPO compare.
+    mean_c, mean_r = average_logps(chosen, counts[:half]), average_logps(rejected, counts[half:])
     sums: dict[str, torch.Tensor] = {}
     if o.kind == Objective.dpo:
-        if o.dpo_loss == DpoLoss.ipo:  # IPO compares per-token mean log-probabilities
-            args = (chosen / n_chosen, rejected / n_rejected, ref[:half] / n_chosen, ref[half:] / n_rejected)
+        if o.dpo_loss == DpoLoss.ipo:
+            ref_c, ref_r = average_logps(ref[:half], counts[:half]), average_logps(ref[half:], counts[half:])
+            args = (mean_c, mean_r, ref_c, ref_r)
         else:
             args = (chosen, rejected, ref[:half], ref[half:])
         out = dpo_loss(*args, beta=o.beta, loss_type=o.dpo_loss.value, label_smoothing=o.label_smoothing)
         loss = out.losses.mean()
     elif o.kind == Objective.orpo:
-        out = orpo_loss(chosen / n_chosen, rejected / n_rejected, beta=o.beta)
-        nll = -(chosen / n_chosen)  # the chosen completion's per-token NLL, the SFT part of ORPO
+        out = orpo_loss(mean_c, mean_r, beta=o.beta)
+        nll = -mean_c  # the chosen completion's per-token NLL, the SFT part of ORPO
         loss = nll.mean() + out.losses.mean()
         sums["nll"] = nll.detach().sum()
     else:
-        out = simpo_loss(
-            chosen / n_chosen, rejected / n_rejected, beta=o.beta, gamma_beta_ratio=o.simpo_gamma,
-            label_smoothing=o.label_smoothing,
-        )  # fmt: skip
+        out = simpo_loss(mean_c, mean_r, beta=o.beta, gamma_beta_ratio=o.simpo_gamma, label_smoothing=o.label_smoothing)
         loss = out.losses.mean()
     c, r = out.chosen_rewards.detach(), out.rejected_rewards.detach()
     sums |= {
