@@ -48,6 +48,8 @@ class PreferenceExample:
     chosen: list[int]  # the completion (KTO: the only one, desirable or not)
     rejected: list[int] | None = None  # None for unpaired (KTO) examples
     desirable: bool = True  # KTO's label
+    truncated: bool = False  # a completion was cut to fit data.max_seq_len
+    row: int = -1  # its row number in the source (0 first), as the bad-row messages count
 
 
 def corrupt(words: list[str], rng: random.Random) -> list[str]:
@@ -140,23 +142,26 @@ class _Encoder:
             texts.append(full[len(prompt_text) :].rstrip("\n"))
         return prompt_text.removeprefix(self.tok.bos_token or ""), texts
 
-    def encode(self, prompt_text: str, completion_texts: list[str]) -> tuple[list[int], list[list[int]]] | None:
-        """Ids of the prompt (with `<bos>`) and the completions cut to fit; None when no completion token fits."""
+    def encode(self, prompt_text: str, completion_texts: list[str]) -> tuple[list[int], list[list[int]], bool] | None:
+        """Ids of the prompt (with `<bos>`), the completions cut to fit, and whether one was cut; None when no
+        completion token fits."""
         prompt = [self.tok.bos_token_id, *self._ids(prompt_text)]
         room = self.cfg.max_seq_len - len(prompt)
         if room < 1:
             return None
-        return prompt, [self._ids(t)[:room] for t in completion_texts]
+        full = [self._ids(t) for t in completion_texts]
+        return prompt, [ids[:room] for ids in full], any(len(ids) > room for ids in full)
 
 
 def encode_rows(
     cfg: DataConfig, rows: Any, tokenizer: Any, source: str
-) -> tuple[list[PreferenceExample], dict[str, int]]:
-    """The usable examples of `rows` and the counts of what was dropped."""
+) -> tuple[list[PreferenceExample], dict[str, Any]]:
+    """The usable examples of `rows` and what was dropped: counts, and the row numbers (0 first) of the bad rows
+    (with why), of those dropped for a prompt too long, and of those with a completion cut."""
     enc = _Encoder(cfg, tokenizer)
     out: list[PreferenceExample] = []
     bad: list[tuple[int, str]] = []
-    too_long = 0
+    long_rows: list[int] = []
     for i, row in enumerate(rows):
         try:
             prompt = row.get(cfg.prompt_field)
@@ -180,11 +185,12 @@ def encode_rows(
             bad.append((i, str(e)))
             continue
         if encoded is None or not all(encoded[1]):
-            too_long += 1
+            long_rows.append(i)
             continue
-        ids, completions = encoded
+        ids, completions, cut = encoded
         rejected = completions[1] if len(completions) > 1 else None
-        out.append(PreferenceExample(ids, completions[0], rejected, label))
+        out.append(PreferenceExample(ids, completions[0], rejected, label, truncated=cut, row=i))
+    too_long = len(long_rows)
     if bad:
         shown = "; ".join(f"row {i}: {why}" for i, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -196,17 +202,36 @@ def encode_rows(
                 f"{message}. Fix the rows, map the columns (data.prompt_field, data.chosen_field, ...), or set data.on_bad_rows=skip."
             )
         log.warning("%s; skipped (data.on_bad_rows=skip)", message)
+    if long_rows:
+        log.warning(
+            "%s: %d row(s) dropped, their prompt leaving no room for a completion token within data.max_seq_len=%d: "
+            "%s", source, too_long, cfg.max_seq_len, row_list(long_rows),
+        )  # fmt: skip
     if not out:
         raise ConfigError(
             f"{source}: no usable preference rows for data.format={cfg.format.value} (bad: {len(bad)}, prompt too long "
             f"for data.max_seq_len={cfg.max_seq_len}: {too_long})"
         )
-    return out, {"rows": len(rows), "bad_rows": len(bad), "too_long": too_long}
+    return out, {
+        "rows": len(rows),
+        "bad_rows": len(bad),
+        "too_long": too_long,
+        "truncated": sum(e.truncated for e in out),
+        "bad": bad,
+        "too_long_rows": long_rows,
+        "truncated_rows": [e.row for e in out if e.truncated],
+    }
+
+
+def row_list(rows: list[int], shown: int = 5) -> str:
+    """`rows 3, 8, 11 (and 4 more)`: the first row numbers of a list, for messages."""
+    more = f" (and {len(rows) - shown} more)" if len(rows) > shown else ""
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:shown]))}{more}"
 
 
 def preference_splits(
     cfg: DataConfig, tokenizer: Any, unpaired: bool
-) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, int]]:
+) -> tuple[list[PreferenceExample], list[PreferenceExample], dict[str, Any]]:
     """Training and held-out examples (held out: data.val_path's rows, else `data.val_size` of them by `data.seed`)."""
     if cfg.format == DataFormat.synthetic and not cfg.path:
         source = dataclasses.replace(cfg, format=DataFormat.kto if unpaired else DataFormat.preference)
@@ -216,8 +241,8 @@ def preference_splits(
         examples, counts = encode_rows(cfg, list(rows.rows), tokenizer, rows.name)
     if cfg.val_path:
         val_rows = read_source(cfg, cfg.val_path, "data.val_path")
-        val, _ = encode_rows(cfg, list(val_rows.rows), tokenizer, val_rows.name)
-        return examples, val, counts
+        val, val_counts = encode_rows(cfg, list(val_rows.rows), tokenizer, val_rows.name)
+        return examples, val, counts | {"val_path": val_counts}
     train, val = split_rows(examples, cfg.val_size, cfg.seed)
     return train, val, counts
 
@@ -267,8 +292,11 @@ class PreferenceDataModule(L.LightningDataModule):
             "val": {"examples": len(self.val_set)},
             "bad_rows": counts["bad_rows"],
             "too_long": counts["too_long"],
+            "truncated": counts["truncated"],
             "kind": kind,
         }
+        # What exp.preview reports: the row numbers behind the counts (data.path's; data.val_path's apart).
+        self.dropped = counts
         log.info(
             "data: %d training and %d held-out %s (%d rows; %d bad, %d with a prompt too long)",
             len(self.train_set), len(self.val_set), kind, counts["rows"], counts["bad_rows"], counts["too_long"],

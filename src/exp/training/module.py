@@ -25,9 +25,13 @@ from exp.model.loss_plan import LossChoice
 from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
-from exp.training.objectives import preference_loss, preference_rates
+from exp.training.objectives import preference_loss, preference_rates, preference_split_rates
 
 log = logging.getLogger("exp.module")
+
+# A preference objective's rates shown in the progress bar beside the loss (train/ and val/): what says whether the
+# policy separates chosen from rejected; the rest go to the loggers only.
+PROGRESS_BAR_PREFERENCE = ("accuracy", "rewards/margin")
 
 # Device types torch's fused AdamW has kernels for (and exp tests: CUDA on the GPU machine, the CPU in CI).
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
@@ -225,10 +229,10 @@ class QLoRAModule(L.LightningModule):
         value = loss.detach()
         self._loss_bad = ~torch.isfinite(value) | self._loss_bad
         self._log_train("train/loss", value, prog_bar=True)
-        pairs = sums["pairs"]
-        for name in ("accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected"):
-            if name in sums:
-                self._log_train(f"train/{name.replace('_', '/', 1)}", sums[name] / pairs, prog_bar=name == "accuracy")
+        # The micro-batch's rates, as validation computes them (tensors: read back only when logged).
+        for name, rate in preference_rates(sums).items():
+            if name != "loss":
+                self._log_train(f"train/{name}", rate, prog_bar=name in PROGRESS_BAR_PREFERENCE)
         return loss
 
     def _saved_tensors_place(self) -> contextlib.AbstractContextManager:
@@ -388,7 +392,7 @@ class QLoRAModule(L.LightningModule):
         if not sums:
             return
         self._record_validation_time(int(sums["pairs" if self.cfg.objective.preference else "examples"]))
-        rates = preference_rates(sums) if self.cfg.objective.preference else validation_rates(sums)
+        rates = preference_split_rates(sums) if self.cfg.objective.preference else validation_rates(sums)
         metrics = {f"val/{k}": v for k, v in rates.items()}
         self.last_val = metrics
         if self.trainer.sanity_checking:
@@ -400,7 +404,9 @@ class QLoRAModule(L.LightningModule):
             return
         self.last_val_step = self.trainer.global_step if self.trainer.state.fn == "fit" else None
         for k, v in metrics.items():
-            self.log(k, v, prog_bar=k == "val/loss", sync_dist=False)
+            self.log(
+                k, v, prog_bar=k == "val/loss" or k.removeprefix("val/") in PROGRESS_BAR_PREFERENCE, sync_dist=False
+            )
 
     def _record_validation_time(self, examples: int) -> None:
         """What this validation cost (read after the metrics' reduction, which waits for the device)."""

@@ -117,13 +117,14 @@ def _kto(logps, ref, desirable, o: ObjectiveConfig, n: int) -> tuple[torch.Tenso
     return out.losses.mean(), sums
 
 
-def preference_rates(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+def preference_rates(sums: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor | float]:
     """Rates from summed metrics: per pair (KTO: per example; its rewards and log-probs per desirable or
-    undesirable example)."""
-    s = {k: float(v) for k, v in sums.items()}
-    n = max(s.get("pairs", 0.0), 1.0)
+    undesirable example). Tensors in, tensors out (a training step's metrics stay on the device until logged);
+    floats in, floats out."""
+    s = dict(sums)
+    n = _at_least_one(s.get("pairs", 0.0))
     if "desirable" in s:
-        good, bad = max(s["desirable"], 1.0), max(s["pairs"] - s["desirable"], 1.0)
+        good, bad = _at_least_one(s["desirable"]), _at_least_one(s["pairs"] - s["desirable"])
         return {
             "loss": s["loss"] / n,
             "accuracy": s["accuracy"] / n,
@@ -145,3 +146,14 @@ def preference_rates(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     if "nll" in s:
         out["nll"] = s["nll"] / n
     return out
+
+
+def preference_split_rates(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A held-out split's rates from its summed metrics (every batch of every rank), as plain floats: what
+    validation logs and `exp.evaluate` reports."""
+    return {k: float(v) for k, v in preference_rates(sums).items()}
+
+
+def _at_least_one(x: torch.Tensor | float) -> torch.Tensor | float:
+    """A count to divide by: at least 1 (a split or batch without such examples reads 0, not NaN)."""
+    return x.clamp(min=1.0) if isinstance(x, torch.Tensor) else max(float(x), 1.0)
