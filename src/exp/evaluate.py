@@ -12,6 +12,12 @@ row), or `data.hub_id=<name>`. Writes `<run>/eval.json` (`eval_<name>.json` for 
     python -m exp.evaluate run=<run> data=my_eval.jsonl            # every row of a file in the run's data format
     python -m exp.evaluate run=<run> data.num_examples=8000        # any data.<field> of the run's data config
     python -m exp.evaluate run=<run> lm_eval=hellaswag,arc_easy    # lm-evaluation-harness, when installed
+
+A run of a preference objective (`objective=dpo|orpo|simpo|kto`) is scored on pairs (KTO: labelled completions):
+its held-out split, or a file in its data format (`data.format=preference` / `kto` rows for a run on the generated
+pairs). The report holds what its validation logged, computed by the same code (exp.training.objectives): the
+loss, preference accuracy (chosen rewarded above rejected; KTO: desirable above 0, undesirable below), the rewards
+of chosen and rejected, their margin and the completions' log-probabilities, over `pairs` pairs.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
-from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl
+from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl, Objective, ObjectiveConfig
 from exp.data.batching import collate
 from exp.data.encoding import Encoded
+from exp.data.preference import all_preference_examples, collate_preference, preference_splits
 from exp.data.splits import all_examples, build_splits, validation_source
 from exp.model.loss import resolve_loss_impl
 from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
@@ -46,6 +53,7 @@ from exp.run.inference import (
     resolve_run_dir,
     run_cli,
 )
+from exp.training.objectives import preference_loss, preference_split_rates
 
 TOOL = Tool(
     "exp.evaluate",
@@ -133,12 +141,15 @@ def eval_source(data: str | None, fields: dict[str, str]) -> EvalSource | None:
     return EvalSource(key, str(path.resolve()))
 
 
-def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str]) -> DataConfig:
+def eval_data_config(
+    base: DataConfig, data: str | None, fields: dict[str, str], synthetic_as: DataFormat = DataFormat.alpaca
+) -> DataConfig:
     """The run's data config, or a dataset in its place (`eval_source`), with `data.<field>=` overrides checked
     against the schema.
 
     A dataset is read in the run's format with the run's column mapping (a chat run is scored on chat rows); the
-    generated default has no file format of its own, and its rows are Alpaca rows.
+    generated default has no file format of its own: its rows are read as `synthetic_as` (Alpaca rows; a
+    preference objective's pairs or labelled completions).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -147,7 +158,7 @@ def eval_data_config(base: DataConfig, data: str | None, fields: dict[str, str])
     source = eval_source(data, fields)
     fields = {k: v for k, v in fields.items() if k not in SOURCE_KEYS}
     if source is not None:
-        fmt = DataFormat.alpaca if cfg.format == DataFormat.synthetic else cfg.format
+        fmt = synthetic_as if cfg.format == DataFormat.synthetic else cfg.format
         path, hub_id = (None, source.value) if source.is_hub else (source.value, None)
         cfg = replace(cfg, format=fmt, path=path, hub_id=hub_id, val_path=None)
     if fields:
@@ -207,6 +218,33 @@ def score(model: Any, loader: DataLoader, device: torch.device, impl: LossImpl) 
     }
 
 
+def build_preference_loader(
+    cfg: DataConfig, tokenizer: Any, batch_size: int, objective: ObjectiveConfig, whole: bool, key: str = "data"
+) -> DataLoader:
+    """The run's held-out pairs (KTO: labelled completions) as its validation drew them, or (`whole`) every usable
+    row of a dataset, in order, batched as validation batches them (KTO's reference point is estimated within a
+    batch, so the batch size is the run's micro-batch for its numbers to be validation's)."""
+    unpaired = objective.kind == Objective.kto
+    if whole:
+        examples = all_preference_examples(cfg, tokenizer, key)
+    else:
+        examples = preference_splits(cfg, tokenizer, unpaired)[1]
+    pad = functools.partial(collate_preference, pad_id=tokenizer.pad_token_id)
+    return DataLoader(examples, batch_size=batch_size, shuffle=False, collate_fn=pad)
+
+
+@torch.no_grad()
+def score_preference(
+    model: Any, loader: DataLoader, device: torch.device, impl: LossImpl, objective: ObjectiveConfig
+) -> dict[str, float]:
+    """A preference objective's validation metrics over the loader's pairs: training's validation step and rates."""
+    sums: dict[str, torch.Tensor] = {}
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        add_sums(sums, preference_loss(model, batch, objective, impl)[1])
+    return {**preference_split_rates(sums), "pairs": int(sums["pairs"])}
+
+
 def check_lm_eval(tasks: str) -> None:
     """Before any model is loaded: the harness is an optional extra, not a dependency of exp."""
     import importlib.util
@@ -239,17 +277,27 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     source = eval_source(args["data"], fields)  # a bad dataset argument fails here, before the model loads
     started = time.time()
     loaded = load_run(run_dir, ckpt=ckpt, overrides=args)
-    data_cfg = eval_data_config(loaded.cfg.data, args["data"], fields)
+    objective = loaded.cfg.objective
+    data_cfg = eval_data_config(loaded.cfg.data, args["data"], fields, pair_format(objective))
     batch_size = args["batch_size"] or loaded.cfg.hardware.micro_batch_size
     whole = source is not None
-    loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole, source.key if source else "data")
+    key = source.key if source else "data"
     # The logits as the run's training loss computed them: in chunks unless its head or strategy rules that out.
     impl = resolve_loss_impl(loaded.cfg, loaded.model, loaded.device).impl
+    if objective.preference:
+        loader = build_preference_loader(data_cfg, loaded.tokenizer, batch_size, objective, whole, key)
+        scores = {
+            "objective": objective.kind.value,
+            **score_preference(loaded.model, loader, loaded.device, impl, objective),
+        }
+    else:
+        loader = build_eval_loader(data_cfg, loaded.tokenizer, batch_size, whole, key)
+        scores = score(loaded.model, loader, loaded.device, impl)
     report: dict[str, Any] = {
         "run": str(run_dir),
         "weights": str(ckpt) if ckpt else str(RunLayout(run_dir).adapter),
         "data": {"format": data_cfg.format.value, **scored(data_cfg, whole)},
-        **score(loaded.model, loader, loaded.device, impl),
+        **scores,
     }
     if args["lm_eval"]:
         report["lm_eval"] = run_lm_eval(loaded, args["lm_eval"], batch_size, args["lm_eval_limit"])
@@ -265,6 +313,14 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     print(json.dumps(report, indent=2, default=str))
     print(f"exp: scored {report['data']['split']}; wrote {out}")
     return report
+
+
+def pair_format(objective: ObjectiveConfig) -> DataFormat:
+    """The file format a run on the generated data is scored in: Alpaca rows, or its objective's pairs (KTO:
+    labelled completions)."""
+    if not objective.preference:
+        return DataFormat.alpaca
+    return DataFormat.kto if objective.kind == Objective.kto else DataFormat.preference
 
 
 def report_stem(source: EvalSource) -> str:

@@ -247,6 +247,13 @@ def preference_splits(
     return train, val, counts
 
 
+def all_preference_examples(cfg: DataConfig, tokenizer: Any, key: str = "data.path") -> list[PreferenceExample]:
+    """Every usable row of `data.path` (or `data.hub_id`) in source order, encoded as training encodes it: a whole
+    evaluation set, no split. `key` is the argument that named it, for messages."""
+    rows = read_source(cfg, cfg.path, key)
+    return encode_rows(cfg, list(rows.rows), tokenizer, rows.name)[0]
+
+
 def _row(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
     return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
 
