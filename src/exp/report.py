@@ -12,6 +12,11 @@ mark where it differs from the best by more than the seed noise (exp.study.stats
 configurations.csv holds the same, loss_curves_by_config.png the mean training loss with a band of one standard
 deviation. A sweep launched by `hydra/launcher=gpus` also gets its plan compared with what happened
 (placements.jsonl: estimated memory and time per job, and the study's wall-clock).
+
+Preference runs (`objective=dpo|orpo|simpo|kto`): the table adds their final held-out preference accuracy, reward
+margin, rewards of chosen and rejected, and the completions' log-probabilities; the configurations' table adds the
+accuracy's and the margin's mean and standard deviation over the seeds. `metric=val/accuracy` (or a margin or a
+reward) ranks with higher as better.
 """
 
 from __future__ import annotations
@@ -32,6 +37,25 @@ from exp.run.overrides import SEED_KEYS
 from exp.study.journal import last_launch
 from exp.study.stats import TEST_NAME, ConfigStats, config_groups, rank, swept_keys
 
+# A preference run's held-out metrics the job table shows beside the optimised one (docs/objectives.md).
+PREFERENCE_METRICS = (
+    "val/accuracy",
+    "val/rewards/margin",
+    "val/rewards/chosen",
+    "val/rewards/rejected",
+    "val/logps/chosen",
+    "val/logps/rejected",
+)
+# Of those, what the configurations' table summarises over seeds.
+PREFERENCE_SEED_METRICS = ("val/accuracy", "val/rewards/margin")
+# Metrics where more is better (the rest, losses and perplexities, are minimised).
+HIGHER_IS_BETTER = ("accuracy", "exact_match", "rewards/margin", "rewards/chosen")
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.split("/", 1)[-1] in HIGHER_IS_BETTER
+
+
 TOOL = Tool(
     "exp.report",
     __doc__,
@@ -42,7 +66,11 @@ TOOL = Tool(
             "where report.md, report.csv and the plots go [default: the sweep directory]",
             placeholder="DIR",
         ),
-        Key("metric", "val/loss", "the optimised metric (lower is better)"),
+        Key(
+            "metric",
+            "val/loss",
+            "the optimised metric (lower is better; higher for accuracies, reward margins and rewards)",
+        ),
     ),
     positional="DIR",
 )
@@ -67,6 +95,7 @@ class JobRow:
     log_every: int | None = None  # trainer.log_every_n_steps of the run's config.yaml
     validated_on: str | None = None  # what its val/* metrics were measured on (summary.json's data.validated_on)
     damaged: list[str] = field(default_factory=list)  # its files that could not be read, and why
+    preference: dict[str, float] = field(default_factory=dict)  # final PREFERENCE_METRICS (preference runs)
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -133,14 +162,16 @@ def _read_metrics(row: JobRow, path: Path, metric: str) -> None:
                     row.curve.append((int(r["step"]), float(r["train/loss"])))
                 if r.get("val/loss"):
                     row.val_curve.append((int(r["step"]), float(r["val/loss"])))
+                row.preference |= {k: float(r[k]) for k in PREFERENCE_METRICS if r.get(k)}
     finally:  # the rows before a damaged one still count
         if values:
-            row.best, row.final = min(values), values[-1]
+            row.best, row.final = (max if higher_is_better(metric) else min)(values), values[-1]
 
 
 def _read_summary(row: JobRow, path: Path, metric: str) -> None:
     s = json.loads(path.read_text())
     row.final = s["final_val"].get(metric, row.final)
+    row.preference |= {k: v for k, v in s["final_val"].items() if k in PREFERENCE_METRICS}
     row.steps, row.seconds = s.get("steps"), s.get("seconds")
     row.tokens_per_s, row.peak_memory_gib = s.get("tokens_per_s_median"), s.get("peak_memory_gib")
     row.validated_on = (s.get("data") or {}).get("validated_on")
@@ -194,9 +225,16 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
+def preference_columns(rows: list[JobRow], metric: str, among: tuple[str, ...] = PREFERENCE_METRICS) -> list[str]:
+    """The preference metrics some job has, less the optimised one (its own columns)."""
+    return [k for k in among if k != metric and any(k in r.preference for r in rows)]
+
+
 def table(rows: list[JobRow], metric: str) -> tuple[list[str], list[list[str]]]:
     swept = swept_keys(rows)
-    header = ["job", "status", *swept, f"final {metric}", f"best {metric}", "steps", "seconds", "tokens/s", "peak GiB"]
+    extra = preference_columns(rows, metric)
+    header = ["job", "status", *swept, f"final {metric}", f"best {metric}", *extra]
+    header += ["steps", "seconds", "tokens/s", "peak GiB"]
     body = [
         [
             _job_label(r.name) if swept else r.name,
@@ -204,6 +242,7 @@ def table(rows: list[JobRow], metric: str) -> tuple[list[str], list[list[str]]]:
             *(r.overrides.get(k, "") for k in swept),
             _fmt(r.final),
             _fmt(r.best),
+            *(_fmt(r.preference.get(k)) for k in extra),
             _fmt(r.steps),
             _fmt(r.seconds),
             _fmt(r.tokens_per_s),
@@ -220,10 +259,13 @@ def _job_label(name: str) -> str:
     return name.split("_", 1)[0] + (f" (retry {retry.group(1)})" if retry and name.count("_") > 1 else "")
 
 
-def sort_rows(rows: list[JobRow]) -> list[JobRow]:
-    """Completed jobs by the metric (lower first), then running, then failed."""
+def sort_rows(rows: list[JobRow], metric: str = "val/loss") -> list[JobRow]:
+    """Completed jobs by the metric (the best first), then running, then failed."""
     order = {"completed": 0, "running": 1, "interrupted": 1}
-    return sorted(rows, key=lambda r: (order.get(r.status, 2), r.final if r.final is not None else math.inf, r.name))
+    sign = -1 if higher_is_better(metric) else 1
+    return sorted(
+        rows, key=lambda r: (order.get(r.status, 2), sign * r.final if r.final is not None else math.inf, r.name)
+    )
 
 
 def plot(rows: list[JobRow], metric: str, out: Path) -> list[Path]:
@@ -298,10 +340,13 @@ def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str
     stats = [ConfigStats(label, [r.final for r in rs if r.final is not None]) for label, rs in groups.items()]
     if not stats:
         return [], [], []
+    extra = preference_columns([r for rs in groups.values() for r in rs], metric, PREFERENCE_SEED_METRICS)
     header = ["configuration", "seeds", f"mean {metric}", "std", "95% interval", "vs best", "p (Holm)"]
+    header += [f"{k} mean ± sd" for k in extra]
     body = []
-    for ranked in rank(stats):
+    for ranked in rank(stats, higher_is_better(metric)):
         st, interval = ranked.stats, ranked.stats.interval
+        jobs = groups[st.config]
         body.append(
             [
                 st.config,
@@ -311,6 +356,7 @@ def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str
                 f"[{interval[0]:.4g}, {interval[1]:.4g}]" if interval else "-",
                 ranked.verdict,
                 "-" if ranked.p_holm is None else f"{ranked.p_holm:.3g}",
+                *(_mean_sd([r.preference[k] for r in jobs if k in r.preference]) for k in extra),
             ]
         )
     notes = []
@@ -324,6 +370,13 @@ def config_table(groups: dict[str, list[JobRow]], metric: str) -> tuple[list[str
         if any(st.n < 2 for st in stats):
             notes.append("untested: a configuration with one completed seed has no spread to test against")
     return header, body, notes
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    st = ConfigStats("", values)
+    return f"{st.mean:.4g}" + (f" ± {st.std:.2g}" if st.std is not None else "")
 
 
 def plot_configs(groups: dict[str, list[JobRow]], out: Path) -> Path:
@@ -433,7 +486,7 @@ def _report(args: Parsed) -> int:
             f"{len(paths)} paths and no out=: the report of one sweep or run goes into its directory, and several "
             "have no directory of their own. Fix: say where it goes, e.g. out=outputs/comparison."
         )
-    rows = sort_rows([read_run(r, metric) for r in runs])
+    rows = sort_rows([read_run(r, metric) for r in runs], metric)
     # Never the current directory: a report lands beside what it reports on.
     out = Path(args.values["out"]) if args.values["out"] else paths[0]
     out.mkdir(parents=True, exist_ok=True)

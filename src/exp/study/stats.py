@@ -10,7 +10,7 @@ confidence interval of the mean from Student's t distribution (mean +- t(0.975, 
 wide for few seeds, as it should be: with 2 seeds t is 12.7.
 
 Which differences are larger than their seed noise: every configuration is compared with the best one (lowest
-mean) by Welch's two-sample t-test (two-sided; unequal variances, so a noisier configuration does not borrow the
+mean; highest for a metric where higher is better, `higher_better`, such as a preference accuracy) by Welch's two-sample t-test (two-sided; unequal variances, so a noisier configuration does not borrow the
 other's spread), and the p-values of these comparisons are corrected for their number with Holm's step-down
 method. A configuration "differs" when its corrected p-value is below 0.05. With one seed per configuration there
 is no spread to compare against: no interval and no test, and the report says so.
@@ -96,15 +96,20 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
-def best_of(groups: list[ConfigStats]) -> ConfigStats:
-    return min(groups, key=lambda g: (g.mean, g.config))
+def _order(higher_better: bool):
+    """Best first: the lowest mean, or the highest where higher is better (ties by name)."""
+    return lambda g: (-g.mean if higher_better else g.mean, g.config)
 
 
-def compare_with_best(groups: list[ConfigStats]) -> list[Comparison]:
+def best_of(groups: list[ConfigStats], higher_better: bool = False) -> ConfigStats:
+    return min(groups, key=_order(higher_better))
+
+
+def compare_with_best(groups: list[ConfigStats], higher_better: bool = False) -> list[Comparison]:
     """Every configuration but the best, tested against it (Holm-corrected over these comparisons)."""
     if not groups:
         return []
-    best = best_of(groups)
+    best = best_of(groups, higher_better)
     others = [g for g in groups if g is not best]
     raw = [welch_p(g.values, best.values) for g in others]
     testable = [i for i, p in enumerate(raw) if p is not None]
@@ -127,14 +132,14 @@ class Ranked:
     p_holm: float | None  # the corrected p-value of its comparison with the best; None: the best, or untested
 
 
-def rank(groups: list[ConfigStats]) -> list[Ranked]:
-    """Every configuration, best (lowest mean) first, with its verdict against the best."""
+def rank(groups: list[ConfigStats], higher_better: bool = False) -> list[Ranked]:
+    """Every configuration, best (lowest mean; `higher_better`: highest) first, with its verdict against the best."""
     if not groups:
         return []
-    best = best_of(groups)
-    verdicts = {c.config: c for c in compare_with_best(groups)}
+    best = best_of(groups, higher_better)
+    verdicts = {c.config: c for c in compare_with_best(groups, higher_better)}
     ranked = []
-    for st in sorted(groups, key=lambda g: (g.mean, g.config)):
+    for st in sorted(groups, key=_order(higher_better)):
         c = verdicts.get(st.config)
         if st is best:
             ranked.append(Ranked(st, "best", None))
