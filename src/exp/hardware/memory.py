@@ -30,6 +30,15 @@ The peak is the larger of two moments:
 With transformers' loss A wins by far for Gemma (12 bytes x tokens x 256k); with the chunked / fused loss, which
 holds one chunk of logits, B is usually the peak.
 
+Preference objectives (docs/objectives.md): a micro-batch of B pairs is 2B rows in one forward (the chosen rows,
+then the rejected; KTO: B rows and B mismatched KL rows), so every activation term counts 2B rows
+(`rows_per_example`). DPO and KTO then score the same rows under the reference (the base with the adapters off,
+no gradients) while the policy's forward is alive, a third candidate for the peak (`reference_forward`):
+  C. after the policy forward: every saved activation, what the policy's log-probabilities keep for backward (the
+     [rows, T, vocab] logits with transformers' loss; the completion positions' hidden states with the chunked /
+     fused one), and the reference forward's working set: one layer's transient activations and dequantized
+     weight, and its logits (all of them with transformers' loss; one chunk with the chunked / fused one).
+
 `MemoryEstimate.total` predicts what the device must hold (allocator peak + `workspace`); `allocated` predicts what
 `torch.cuda.max_memory_allocated` reports (everything but `workspace`).
 
@@ -344,6 +353,8 @@ def estimate_memory(
     compiled: bool = False,
     dequantized_layers: int = 0,
     offload_checkpoints: bool = False,
+    rows_per_example: int = 1,
+    reference_forward: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step on one device (see the module docstring for the model).
 
@@ -370,12 +381,19 @@ def estimate_memory(
     dequantized_layers: decoder layers whose 4-bit weights are also kept in the compute dtype (exp.model.dequantized).
     offload_checkpoints: what the backward keeps from outside the recomputed layers lives in host memory; one
         checkpointed layer's input at a time comes back to the device.
+    rows_per_example: rows one example of the micro-batch becomes: 1 (SFT), 2 (a preference pair; KTO's example
+        and its KL row).
+    reference_forward: a no-grad forward of the same rows under the reference after the policy's (DPO, KTO).
     """
     row = family_row(family)
     s = row.sizes(arch)
     targets = _targets(row, lora_targets)
     if micro_batch_size < 1 or seq_len < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size}, seq_len={seq_len}: both must be >= 1")
+    if rows_per_example < 1:
+        raise ValueError(f"rows_per_example={rows_per_example}: must be >= 1")
+    # From here on the micro-batch is counted in rows, what the forward sees.
+    micro_batch_size *= rows_per_example
     if compute_bytes not in (2, 4):
         raise ValueError(f"compute_bytes={compute_bytes}: 2 (bf16/fp16 mixed) or 4 (fp32)")
     if num_shards < 1:
@@ -505,7 +523,20 @@ def estimate_memory(
     # The backward walks the layers from the last: at the last layer everything saved is alive; at the last
     # checkpointed layer the later layers' activations are freed and its recompute is alive instead.
     phase_layer = masks + bwd_temp + max(saved_all, ckpt_inputs + recompute if n_ckpt else 0)
-    if phase_loss >= phase_layer:
+    phase_reference, reference = 0, 0
+    if reference_forward:
+        # Phase C (module docstring): the policy's log-probabilities keep the logits (transformers' loss) or the
+        # hidden states (chunked / fused); the reference forward holds one layer's transients (its MLP's widest,
+        # like the backward's) and dequantized weight, then its logits.
+        kept = c * t * s.vocab if loss_impl == "hf" else c * t * s.hidden
+        ref_logits = c * t * s.vocab + 4 * seq_len * s.vocab if loss_impl == "hf" else logits
+        reference = max(2 * c * t * s.inter + 2 * c * t * s.hidden + largest_weight, ref_logits)
+        phase_reference = saved_all + final + masks + kept + reference
+    if phase_reference > max(phase_loss, phase_layer):
+        est.peak_phase = "reference_forward"
+        est.activations = phase_reference - reference
+        est.logits_and_loss = reference
+    elif phase_loss >= phase_layer:
         est.peak_phase = "loss"
         est.activations = phase_loss - logits
         est.logits_and_loss = logits
@@ -530,6 +561,8 @@ def estimate_memory(
         "backward_temporaries_bytes": bwd_temp,
         "phase_loss_bytes": phase_loss,
         "phase_layer_backward_bytes": phase_layer,
+        "rows_per_example": rows_per_example,
+        "phase_reference_forward_bytes": phase_reference,
     }
     return est
 
@@ -566,7 +599,15 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
         compiled=hw.compile is True,
         dequantized_layers=int(hw.dequantized_layers),
         offload_checkpoints=bool(hw.offload_checkpoints),
+        **_objective_kwargs(cfg),
     )
+
+
+def _objective_kwargs(cfg: Any) -> dict[str, Any]:
+    """What the objective adds to a step: a preference micro-batch is two rows per example, and DPO / KTO run the
+    reference forward (module docstring)."""
+    o = cfg.objective
+    return dict(rows_per_example=2 if o.preference else 1, reference_forward=bool(o.uses_reference))
 
 
 def _model_kwargs(cfg: Any) -> dict[str, Any]:

@@ -463,6 +463,7 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
 
     # Before the memory decisions: compiled layers save less (exp.hardware.memory), and the attention kernel decides
     # whether scores are held per token pair.
+    _resolve_preference_batches(cfg, notes)
     _resolve_compile(cfg, env, on_gpu, notes)
     _resolve_padding_free_attention(cfg, env, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
@@ -536,6 +537,23 @@ def compile_problem(env: Environment) -> str | None:
     if old:
         return f"{old[0].name} has compute capability {old[0].capability[0]}.{old[0].capability[1]} (Triton needs 7.0)"
     return None
+
+
+def _resolve_preference_batches(cfg: TrainConfig, notes: list[str]) -> None:
+    """A preference objective's micro-batch is padded rows (exp.data.preference): each completion in its own row
+    beside its pair's, scored apart. `hardware.padding_free` (on in hardware=gpu) would lay examples end to end in
+    token-budget micro-batches, which a pair's two rows cannot be: it is turned off, with a note, before the choices
+    that depend on it (the attention kernel, the micro-batch's token budget, the memory estimate)."""
+    hw = cfg.hardware
+    if not cfg.objective.preference or not hw.padding_free:
+        return
+    hw.padding_free, hw.micro_batch_tokens = False, None
+    notes.append(
+        f"objective={cfg.objective.kind.value}: hardware.padding_free=true is not used. A preference micro-batch "
+        f"keeps each completion in its own padded row beside its pair (hardware.micro_batch_size="
+        f"{hw.micro_batch_size} pairs are {2 * hw.micro_batch_size} rows, plus a reference forward for DPO and KTO), "
+        "so micro-batches are padded rows of pairs; set hardware.padding_free=false to silence this note"
+    )
 
 
 def _resolve_compile(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: list[str]) -> None:
