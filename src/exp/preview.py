@@ -197,11 +197,12 @@ def preference_report(
     ]
     if paired:
         lines.append(f"  rejected (tokens) {_dist([len(e.rejected) for e in examples])}")
-    batch = collate_preference(dm.train_set[: dm.micro_batch_size], tok.pad_token_id)
+    first = dm.train_set[: dm.micro_batch_size]
+    batch = collate_preference(first, tok.pad_token_id)
     real = int(batch["attention_mask"].sum())
     lines += [
         f"  loss-bearing      {100 * loss_tokens / max(loss_tokens + prompt_tokens, 1):.1f}% of the rows' tokens",
-        f"  per train batch   {batch['input_ids'].shape[0]} rows for {dm.micro_batch_size} {what}s ({rows_per}), "
+        f"  per train batch   {batch['input_ids'].shape[0]} rows for {len(first)} {what}s ({rows_per}), "
         f"{100 * (1 - real / batch['input_ids'].numel()):.1f}% padding in the first",
     ]
     for split, kept in (("train", len(dm.train_set)), ("validation", len(dm.val_set))):
