@@ -107,7 +107,7 @@ def test_preview_shows_pairs_their_masks_and_the_dropped_rows(tmp_path, capsys):
     assert "bad rows          2 skipped (data.on_bad_rows=skip): row 1: missing 'rejected'; row 3: " in out
     assert "prompt too long   1: row 4 " in out and "truncated         1: row 5 " in out
     assert "pairs kept        9 (train 7, val 2)" in out
-    assert "rows for 8 pairs (2 rows per pair" in out or "rows for 7 pairs" in out
+    assert "per train batch   14 rows for 7 pairs (2 rows per pair: chosen, then rejected)" in out
 
     code, out = _preview(
         capsys, "objective=dpo", "data.format=preference", f"data.path={path}", "data.on_bad_rows=fail"
