@@ -477,6 +477,26 @@ def test_bench_preference_mode_trains_both_sides_on_the_same_pairs(tmp_path, obj
     assert f"Preference pairs, objective {objective}" in md and "pairs/s (tokens/s)" in md
 
 
+def test_alpaca_pairs_reject_another_examples_output_deterministically(tmp_path):
+    from exp.bench.pairs import alpaca_pairs, preference_file, read_rows
+
+    rows = [{"instruction": f"Say {w}.", "input": "", "output": w} for w in TINY_ALPACA_WORDS]
+    rows.append({"instruction": "Say red again.", "input": "twice", "output": "red"})  # a duplicate output
+    pairs = alpaca_pairs(rows, seed=0)
+    assert pairs == alpaca_pairs(rows, seed=0) != alpaca_pairs(rows, seed=1)
+    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    # every output is rejected once (a shuffled cycle), except where the pair would be the same text
+    assert len(pairs) >= len(rows) - 2
+    assert (
+        next(p for p in pairs if p["chosen"] == "green")["prompt"] == "### Instruction:\nSay green.\n\n### Response:\n"
+    )
+    assert "### Input:\ntwice" in next(p["prompt"] for p in pairs if "again" in p["prompt"])
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(rows))
+    made = preference_file(src, tmp_path / "out", seed=0)
+    assert read_rows(made) == pairs and preference_file(made, tmp_path / "other", seed=0) == made
+
+
 def test_bench_preference_mode_needs_pairs(tmp_path):
     proc = run_bench(tmp_path, "objective=dpo")
     assert proc.returncode == 2 and "add data=" in proc.stderr
