@@ -122,6 +122,64 @@ def test_liger_preference_losses_equal_exps_on_the_gpu_within_bf16(name):
     assert diff.norm() <= 2e-2 * total.norm(), (diff.norm(), total.norm())
 
 
+def _exp_pair_loss(hidden, weight, labels, o, ref_hidden):
+    """exp's own path on the same hidden states: chunked_sequence_logps, then the loss as
+    exp.training.objectives.preference_loss composes it (DPO over sums, ORPO over per-token means plus the NLL)."""
+    from exp.model.preference import average_logps, chunked_sequence_logps, dpo_loss, orpo_loss
+
+    sums, counts = chunked_sequence_logps(hidden, weight, labels)
+    half = labels.shape[0] // 2
+    if o.kind.value == "dpo":
+        with torch.no_grad():
+            ref = chunked_sequence_logps(ref_hidden, weight, labels)[0]
+        return dpo_loss(sums[:half], sums[half:], ref[:half], ref[half:], beta=o.beta).losses.mean()
+    mean = average_logps(sums, counts)
+    return -mean[:half].mean() + orpo_loss(mean[:half], mean[half:], beta=o.beta).losses.mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_liger_preference_loss_at_the_gemma_7b_head_shape(kind):
+    """The bench's shape (Gemma-7B's 256k x 3072 head, 8 pairs at 1,024 tokens a side, prompts and padding masked):
+    liger's loss and gradient against exp's chunked path under bf16 autocast, and the memory each adds over its
+    inputs while it runs (printed: what the memory estimate's preference loss term should count)."""
+    from exp.core.config import Objective, ObjectiveConfig
+    from exp.core.constants import IGNORE_INDEX
+    from exp.model.preference import fused_pair_loss
+
+    torch.manual_seed(0)
+    pairs, length, vocab, width = 8, 1024, 256000, 3072
+    weight = torch.randn(vocab, width, device="cuda", dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, vocab, (2 * pairs, length), device="cuda")
+    labels[:, :100] = IGNORE_INDEX  # the prompt
+    labels[1::2, 700:] = IGNORE_INDEX  # padding of the shorter rows
+    hidden = torch.randn(2 * pairs, length, width, device="cuda", dtype=torch.bfloat16)
+    ref = hidden + 0.05 * torch.randn_like(hidden)
+    o = ObjectiveConfig(kind=Objective(kind))
+    results = {}
+    for name in ("exp", "liger"):
+        h = hidden.clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "liger":
+                loss = fused_pair_loss(h, weight, labels, o, ref if kind == "dpo" else None).loss
+            else:
+                loss = _exp_pair_loss(h, weight, labels, o, ref)
+        loss.backward()
+        torch.cuda.synchronize()
+        results[name] = (loss.float().item(), h.grad.float(), torch.cuda.max_memory_allocated() - before)
+    (exp_loss, exp_grad, exp_peak), (liger_loss, liger_grad, liger_peak) = results["exp"], results["liger"]
+    print(f"{kind} at 8 pairs x 1024: loss exp {exp_loss:.6f} liger {liger_loss:.6f}; peak over inputs exp "
+          f"{exp_peak / 2**30:.2f} GiB, liger {liger_peak / 2**30:.2f} GiB")  # fmt: skip
+    assert liger_loss == pytest.approx(exp_loss, rel=1e-2)
+    assert (liger_grad - exp_grad).norm() <= 2e-2 * exp_grad.norm()
+    # Never the batch's log-probabilities (16 rows x 1,024 x 256k in fp32: 16 GiB, what the hand-written loop holds
+    # for its backward): one pair's logits at a time.
+    assert liger_peak < 16 * 2**30, liger_peak
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_dpo_killed_on_the_gpu_then_resumed_ends_where_an_uninterrupted_run_ends(tmp_path):
