@@ -302,7 +302,7 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
     preftests)
-      stage preftests 300 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+      stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
         tests/test_gpu_objectives.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
