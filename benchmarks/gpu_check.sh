@@ -63,6 +63,13 @@
 #                and, when asked for with GROUP_ARMS="grouped packed", the packed arm again on this machine
 #   group7b      the same grid, 8 jobs on the Gemma-7B shape, 30 steps: grouped and packed (benchmarks/group_check.sh 7b)
 #                ($OUT/group_<shape>.tgz: the arms without their weights)
+#   dpo7b        exp.bench objective=dpo, Gemma-7B shape, real pairs from $EXP_ALPACA (default .whl/alpaca_en_demo.json:
+#                each example's output chosen, another's rejected), data.max_seq_len 1024 per side, $PREF_MICRO_BATCH (8)
+#                pairs a step, 30 steps: the hand-written HF + PEFT + bitsandbytes DPO loop (reference: adapter off),
+#                then exp within its peak (liger's chunked DPO loss)
+#   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
+#   preftests    python -m pytest -m gpu tests/test_gpu_objectives.py: liger's chunked preference losses against exp's
+#                own on the GPU (bf16), a DPO run killed then resumed
 #   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
 #                steps 4-6 under torch.profiler ($GROUPPROF_ARGS: more overrides, e.g. hardware.padding_free=false)
 #
@@ -92,6 +99,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARA
 shm_free=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
 if [ "${shm_free:-0}" -gt $((40 * 1024 * 1024)) ]; then export EXP_CACHE=${EXP_CACHE:-/dev/shm/exp-cache}; else export EXP_CACHE=${EXP_CACHE:-/tmp/exp-cache}; fi
 ALPACA=${EXP_ALPACA:-}  # a real Alpaca file (alpaca_en_demo.json) for the real-data and study stages
+[ -z "$ALPACA" ] && [ -f "$ROOT/.whl/alpaca_en_demo.json" ] && ALPACA=$ROOT/.whl/alpaca_en_demo.json
 
 log "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)'); EXP_CACHE=$EXP_CACHE"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
@@ -142,7 +150,7 @@ BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 || $1 == dpo7b || $1 == orpo7b ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -289,6 +297,13 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       exp200=("${BENCH[@]}" data="$ALPACA" seq=2048 micro_batch=8 steps=200 warmup=3 variant=exp)
       stage exp200 420 bash -c '"$@" ${PARTS_REF:+reference="$PARTS_REF"} || { rc=$?; [ $rc -eq 2 ] && [ -n "$PARTS_REF" ] && "$@"; }' \
         _ "${exp200[@]}" ;;
+    dpo7b|orpo7b)
+      objective=${1%7b}; steps=30; [ "$objective" = orpo ] && steps=${ORPO_STEPS:-30}
+      stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
+        steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
+    preftests)
+      stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+        tests/test_gpu_objectives.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;

@@ -435,6 +435,77 @@ def test_bench_real_data_mode_trains_both_sides_on_the_same_examples(benches):
     assert part_exp["losses"] == pytest.approx(part_base["losses"], rel=1e-4)
 
 
+def tiny_alpaca(path: Path, n: int = 60) -> Path:
+    """A small Alpaca file of word-repeating examples (outputs of different lengths)."""
+    words = TINY_ALPACA_WORDS
+    rows = [{"instruction": "Repeat the words.", "input": " ".join(words[: 2 + i % 9]),
+             "output": " ".join(words[i % 5 : 2 + i % 9 + i % 5])} for i in range(n)]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_bench_preference_mode_trains_both_sides_on_the_same_pairs(tmp_path, objective):
+    """`objective=dpo|orpo` on the CPU (the code path of the GPU figure, not a speed claim): pairs made from the
+    Alpaca file, the hand-written loop (reference: its adapter off) and exp's fit on the same pairs every step, with
+    the same losses, the same LoRA init, pairs/s reported; exp's own chunked loss too."""
+    from exp.bench.pairs import read_rows
+
+    data = tiny_alpaca(tmp_path / "tiny_alpaca.json")
+    variants = ["variant=baseline", "variant=exp"]
+    if objective == "dpo":
+        variants.append("variant=exp hardware.loss_impl=chunked")
+    proc = run_bench(tmp_path, "model=gemma_tiny", "seq=64", "micro_batch=4", "steps=3", "warmup=1",
+                     f"objective={objective}", f"data={data}", *variants)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report, md = read_report(tmp_path)
+    assert report["settings"]["objective"] == objective
+    pairs = read_rows(Path(report["settings"]["data_path"]))
+    assert len(pairs) == 60 and all(p["chosen"] != p["rejected"] for p in pairs)
+    base, *exps = report["rows"]
+    for r in report["rows"]:
+        assert r["status"] == "ok", r.get("error")
+        assert r["pairs_per_s"] > 0 and len(r["losses"]) == 3
+    if objective == "dpo":  # the adapters start at zero: the policy is the reference, every margin 0
+        assert base["losses"][0] == pytest.approx(math.log(2), rel=1e-6)
+    for r in exps:
+        assert r["real_tokens"] == base["real_tokens"] and r["same_steps"]
+        assert r["losses"] == pytest.approx(base["losses"], rel=1e-4)
+        assert r["parity"]["ok"] and r["parity"]["same_lora_init"] and r["parity"]["steps"] == 3
+        assert r["speedup"] == pytest.approx(r["pairs_per_s"] / base["pairs_per_s"], rel=1e-2)
+    assert f"Preference pairs, objective {objective}" in md and "pairs/s (tokens/s)" in md
+
+
+def test_alpaca_pairs_reject_another_examples_output_deterministically(tmp_path):
+    from exp.bench.pairs import alpaca_pairs, preference_file, read_rows
+
+    rows = [{"instruction": f"Say {w}.", "input": "", "output": w} for w in TINY_ALPACA_WORDS]
+    rows.append({"instruction": "Say red again.", "input": "twice", "output": "red"})  # a duplicate output
+    pairs = alpaca_pairs(rows, seed=0)
+    assert pairs == alpaca_pairs(rows, seed=0) != alpaca_pairs(rows, seed=1)
+    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    # every output is rejected once (a shuffled cycle), except where the pair would be the same text
+    assert len(pairs) >= len(rows) - 2
+    assert (
+        next(p for p in pairs if p["chosen"] == "green")["prompt"] == "### Instruction:\nSay green.\n\n### Response:\n"
+    )
+    assert "### Input:\ntwice" in next(p["prompt"] for p in pairs if "again" in p["prompt"])
+    src = tmp_path / "a.json"
+    src.write_text(json.dumps(rows))
+    made = preference_file(src, tmp_path / "out", seed=0)
+    assert read_rows(made) == pairs and preference_file(made, tmp_path / "other", seed=0) == made
+
+
+def test_bench_preference_mode_needs_pairs(tmp_path):
+    proc = run_bench(tmp_path, "objective=dpo")
+    assert proc.returncode == 2 and "add data=" in proc.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"text": "no pairs here"}]))
+    proc = run_bench(tmp_path, "objective=orpo", f"data={bad}")
+    assert proc.returncode == 2 and "neither preference rows" in proc.stderr
+
+
 def bench_result(path: Path, side: str, first_step: int, steps: int, *, fingerprint: str = "f0") -> Path:
     """A real-data exp.bench result file as a run writes it (one row: the baseline, or exp padding-free), with
     step times, real tokens and losses that depend on the step only."""

@@ -113,12 +113,16 @@ def run_baseline(
     options: BaselineOptions,
     batches: Callable[[int], dict[str, torch.Tensor]] | None = None,
     val_batches: list[dict[str, torch.Tensor]] | None = None,
+    step_loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+    autocast: bool = False,
 ) -> dict[str, Any]:
     """Load, wrap and train `steps` steps; the first `warmup` are not timed and precede the peak-memory reset.
 
     `batches(i)` gives step i's batch (input_ids, labels, optionally attention_mask): by default `token_batch`
     with labels = inputs. `val_batches`, if given, are evaluated after training: the mean loss over their
-    loss-bearing tokens (`val_loss`).
+    loss-bearing tokens (`val_loss`). `step_loss(model, batch)`: the step's loss, `model(**batch).loss` by default
+    (exp.bench.preference_loop's for a preference objective); `autocast`: each step's forward under bf16 autocast
+    (CUDA), as a hand-written preference loop runs.
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -193,7 +197,8 @@ def run_baseline(
         batch = {k: v.to(model.device) for k, v in batch.items()}
         sync()
         t0 = time.perf_counter()
-        loss = model(**batch).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and cuda):
+            loss = step_loss(model, batch) if step_loss is not None else model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -215,7 +220,11 @@ def run_baseline(
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "loss_impl": "liger" if options.liger else "hf",
         "gradient_checkpointing": options.ckpt,
-        # No autocast: what runs in bf16 is what bitsandbytes computes in its compute dtype; prepare's fp32 upcast
-        # makes the embedding, head and norms fp32.
-        "precision": ("bf16 + fp32 upcast" if options.prepare else "bf16") if cuda else "float32",
+        # Without autocast (the SFT loop) what runs in bf16 is what bitsandbytes computes in its compute dtype;
+        # prepare's fp32 upcast makes the embedding, head and norms fp32.
+        "precision": (
+            ("bf16 + fp32 upcast" if options.prepare else "bf16") + (", bf16 autocast" if autocast else "")
+            if cuda
+            else "float32"
+        ),
     }

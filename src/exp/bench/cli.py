@@ -4,6 +4,7 @@
     python -m exp.bench ablate=true                       # + exp without each of its levers, the baseline with one
     python -m exp.bench model=gemma_tiny seq=64 micro_batch=2 steps=6 warmup=2      # CPU smoke test
     python -m exp.bench variant=exp micro_batch=8,16,32                             # capacity
+    python -m exp.bench objective=dpo data=alpaca_en_demo.json seq=1024 micro_batch=8   # DPO on real pairs
 
 Each variant runs in a fresh process (a monkey-patching lever or a compiled graph cannot leak into the next one,
 and every process's peak memory is its own) on the same model shape, LoRA settings, optimiser and token batches:
@@ -12,6 +13,10 @@ weights in the published architecture, `model.random_init=true`) is built once i
 
 * `baseline` is exp.bench.baseline_loop: the plain transformers + PEFT + bitsandbytes loop a user
   writes by hand; `baseline prepare=false` etc. switch its levers.
+* `objective=dpo|orpo` (with `data=`): preference tuning. The pairs are built from the Alpaca file (its own output
+  chosen, another example's rejected: exp.bench.pairs) or read from a {prompt, chosen, rejected} file; each step is
+  `micro_batch` pairs in exp's seeded order, the baseline scoring them with exp.bench.preference_loop (the
+  reference by switching its adapter off), exp with `objective=...` (liger-kernel's chunked loss on a GPU).
 * `exp` is `python -m exp.train`'s code: the config composed from conf/ (hardware=gpu on a GPU, cpu otherwise) plus
   the bench's settings, checked by exp's preflight, `QLoRAModule` (model built by `exp.model.build.build_model` in
   `configure_model`, its `training_step`, `configure_optimizers`) driven by the Trainer of
@@ -39,6 +44,7 @@ import torch
 from exp.bench.baseline_loop import ALL_PROJECTIONS
 from exp.bench.markdown import markdown
 from exp.bench.memory_check import memory_figures, memory_problem
+from exp.bench.pairs import preference_file
 from exp.bench.report import (
     H200_BF16_TFLOPS,
     PARITY_STEPS,
@@ -126,6 +132,13 @@ def bench_tool() -> Tool:
                 "real-data mode: an Alpaca-format file; micro_batch is the examples per step, seq data.max_seq_len",
                 placeholder="FILE",
             ),
+            Key(
+                "objective",
+                d.objective,
+                "sft, or a preference objective on pairs (needs data=: an Alpaca file, made into pairs, or a "
+                "{prompt, chosen, rejected} file); micro_batch is then pairs per step, seq data.max_seq_len per row",
+                choices=("sft", "dpo", "orpo"),
+            ),
             Key("out_dir", str(ROOT / "benchmarks" / "results"), "where the .json and .md results go"),
             Key("worker", None, "internal: run one variant from its spec file", hidden=True),
         ),
@@ -150,6 +163,8 @@ def parse_args(argv: list[str]) -> SimpleNamespace:
         a.data = str(Path(a.data).resolve())
         if not Path(a.data).is_file():
             raise ConfigError(f"data={a.data}: no such file")
+    elif a.objective != "sft":
+        raise ConfigError(f"objective={a.objective}: preference tuning trains on pairs; add data=<an Alpaca file>")
     elif a.first_step:
         raise ConfigError(
             f"first_step={a.first_step}: only real-data mode has an order of steps to start in; add data=<file> or "
@@ -171,9 +186,12 @@ def plan(a: SimpleNamespace, argv: list[str]) -> tuple[Settings, list[Variant], 
         if v.side == "exp":  # the name keeps the variant's own options; the run gets the common ones too
             v.options = [*a.overrides, *v.options]
     fixed_budget = float(a.memory_budget) if a.memory_budget not in (None, "baseline") else None
+    data = a.data
+    if a.objective != "sft":  # the pairs both sides train on, written beside the results
+        data = str(preference_file(Path(a.data), Path(a.out_dir), a.seed))
     base = Settings(a.model, a.seq, a.micro_batch[0], a.steps, a.warmup, a.lora_r, a.lora_alpha,
-                    a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, a.data,
-                    a.profile, a.first_step)  # fmt: skip
+                    a.lora_dropout, list(targets), a.lr, a.seed, device, fixed_budget, data,
+                    a.profile, a.first_step, a.objective)  # fmt: skip
     # Bad overrides and LoRA targets the model lacks fail here, before any worker starts.
     cfg = base.exp_config(a.overrides)
     if problem := memory_problem(cfg, device, memory_figures(device)):
@@ -223,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT
     stamp = time.strftime("%Y%m%d-%H%M%S")
     mbs = "-".join(map(str, a.micro_batch))
-    out = Path(a.out_dir) / f"bench-{a.model}-{a.seq}x{mbs}-{stamp}"
+    kind = "" if a.objective == "sft" else f"{a.objective}-"
+    out = Path(a.out_dir) / f"bench-{a.model}-{kind}{a.seq}x{mbs}-{stamp}"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:  # after every variant: an interrupted run keeps what it measured

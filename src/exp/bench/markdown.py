@@ -46,6 +46,16 @@ def intro(report: dict[str, Any]) -> list[str]:
         "",
         *(
             [
+                f"Preference pairs, objective {s['objective']}: `{s['data_path']}`, "
+                f"{', '.join(map(str, s['micro_batch']))} pairs per step "
+                f"(their chosen and rejected rows), data.max_seq_len {s['seq']} per row; {s['steps']} steps per "
+                f"variant, the first {s['warmup']} untimed; pairs/s = pairs of the timed steps / their time (real "
+                "tokens/s in brackets); peak = `max_memory_allocated` after warm-up (CUDA). Both sides train the same "
+                f"pairs each step: loss diff = max over the first {report['parity_steps']} steps of |loss - baseline| "
+                f"/ baseline (tolerance {report['parity_tol']:.0%}).",
+            ]
+            if s.get("objective", "sft") != "sft"
+            else [
                 f"Real data: `{s['data_path']}`, {s['micro_batch']} examples per step, data.max_seq_len {s['seq']}; "
                 f"{s['steps']} steps per variant, the first {s['warmup']} untimed; tokens/s = real (non-padding) "
                 "tokens of the timed steps / their time; peak = `max_memory_allocated` after warm-up (CUDA). Loss diff "
@@ -69,11 +79,19 @@ def intro(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def rate_cell(row: dict[str, Any]) -> str:
+    """tokens/s, or pairs/s with the tokens/s in brackets for a preference objective."""
+    if row.get("pairs_per_s") is None:
+        return fmt(row.get("tokens_per_s"), ",.0f")
+    return f"{row['pairs_per_s']:.2f} ({fmt(row.get('tokens_per_s'), ',.0f')})"
+
+
 def variants_table(report: dict[str, Any]) -> list[str]:
     """One line per row: its figures against the plain baseline's; then the rows taken from earlier results."""
+    rate = "pairs/s (tokens/s)" if report["settings"].get("objective", "sft") != "sft" else "tokens/s"
     lines = [
         "",
-        "| variant | micro-batch | loss | ckpt | compile | tokens/s | vs baseline | MFU | peak GiB | warm-up extra s "
+        f"| variant | micro-batch | loss | ckpt | compile | {rate} | vs baseline | MFU | peak GiB | warm-up extra s "
         "| loss diff | same LoRA init | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -88,7 +106,7 @@ def variants_table(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {r['variant']} | {micro} | {r.get('loss_impl', '-')} | {checkpoint_cell(r)} "
             f"| {'-' if 'compile' not in r else 'yes' if r['compile'] else 'no'} "
-            f"| {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} "
+            f"| {rate_cell(r)} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} "
             f"| {fmt(r.get('mfu'), '.1%')} | {fmt(r.get('peak_memory_gib'))} | {fmt(r.get('warmup_extra_s'))} "
             f"| {'-' if diff is None else f'{diff:.2e}'} | {'-' if not parity else 'yes' if parity['same_lora_init'] else 'NO'} "
             f"| {r['status']} |"

@@ -68,7 +68,7 @@ def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], pe
 
     Random tokens: tokens/s from the median timed step (every step has micro-batch x seq tokens). Real data: real
     (non-padding) tokens of the timed steps over their summed time (steps differ in size), and the same over all
-    steps, warm-up and compilation included (`all_steps_*`). `warmup_extra_s`: what the untimed first steps took
+    steps, warm-up and compilation included (`all_steps_*`); with a preference objective also pairs/s. `warmup_extra_s`: what the untimed first steps took
     beyond as many typical steps (compilation, allocator and kernel warm-up): what a short run pays once.
     """
     steps = row.get("step_s", [])
@@ -84,6 +84,9 @@ def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], pe
         row["all_steps_s"] = round(sum(steps), 2)
         row["all_steps_real_tokens"] = sum(real)
         row["all_steps_tokens_per_s"] = round(sum(real) / sum(steps), 1)
+        if settings.objective != "sft":  # every step is `micro_batch` pairs
+            row["pairs_per_s"] = round(settings.micro_batch * len(timed) / sum(timed), 3)
+            row["all_steps_pairs_per_s"] = round(settings.micro_batch * len(steps) / sum(steps), 3)
     else:
         row["tokens_per_s"] = round(settings.micro_batch * settings.seq / median, 1)
     peak = row.get("peak_memory_bytes")
@@ -96,15 +99,18 @@ def summarise(row: dict[str, Any], settings: Settings, flops: dict[str, Any], pe
 def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: float = 0.02) -> None:
     """Each row against the plain baseline of its micro-batch: speed-up, loss parity, identical LoRA init.
 
-    Random tokens: both sides train on the very same batches, so the per-step losses are compared. Real data: exp
-    batches the examples its own way (steps hold other examples), so the validation loss after the same examples
-    is compared instead (within `val_tol`), and the speed-up is in real tokens per second.
+    Random tokens and preference pairs: both sides train on the very same batches, so the per-step losses are
+    compared (the speed-up of pairs in pairs per second). Real data: exp batches the examples its own way (steps
+    hold other examples), so the validation loss after the same examples is compared instead (within `val_tol`),
+    and the speed-up is in real tokens per second.
     """
     for row in rows:
         ref = next((r for r in rows if r["is_reference"] and r["micro_batch"] == row["micro_batch"]), None)
         if ref is None or ref is row or ref["status"] != "ok" or row["status"] != "ok":
             continue
         row["speedup"] = round(row["tokens_per_s"] / ref["tokens_per_s"], 3) if ref.get("tokens_per_s") else None
+        if row.get("pairs_per_s") and ref.get("pairs_per_s"):  # the same pairs each step: the same ratio, in pairs
+            row["speedup"] = round(row["pairs_per_s"] / ref["pairs_per_s"], 3)
         if row.get("all_steps_s") and ref.get("all_steps_s") and row.get("real_tokens") == ref.get("real_tokens"):
             # the same examples step by step: the whole run's wall-clock, compilation and warm-up included
             row["all_steps_speedup"] = round(ref["all_steps_s"] / row["all_steps_s"], 3)

@@ -47,13 +47,15 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path, model: 
     result = preflight(settings, variant)
     cfg = result.cfg
     real = bool(settings.data_path)
+    # Preference pairs: both sides train the same pairs step by step, compared by their per-step losses alone.
+    paired = settings.objective != "sft"
     fit = build_fit(
         cfg,
         work_dir,
         lambda _module: build_loggers(cfg.logger, work_dir, "bench", config_dict(cfg)),
         with_data=real,
         num_workers=0,
-        resuming=not real,  # the bench's own batches have no validation split: no step-0 evaluation
+        resuming=not real or paired,  # no step-0 evaluation: the bench's own batches have no validation split
     )
     datamodule, module, trainer = fit.datamodule, fit.module, fit.trainer
     # Padding-free batching decides the micro-batches per step from the data.
@@ -70,7 +72,7 @@ def run_exp_worker(settings: Settings, variant: Variant, work_dir: Path, model: 
         trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     fit_s = time.perf_counter() - started
     val_loss = None
-    if datamodule is not None:
+    if datamodule is not None and not paired:
         trainer.validate(module, datamodule=datamodule, verbose=False)
         val_loss = module.last_val["val/loss"]
     return exp_row(result, fit, clock, model, val_loss, fit_s)
@@ -83,15 +85,17 @@ def exp_row(
     cfg, datamodule, module = result.cfg, fit.datamodule, fit.module
     hw = cfg.hardware
     layers = len(decoder_layers(module.model))
+    flat = getattr(datamodule, "flat", None)  # preference data is padded, never laid end to end
     return {
         "real_tokens": clock.real_tokens,
         "val_loss": val_loss,
         "micro_batch_exp": hw.micro_batch_size,
         "accumulate": clock.accumulate,
-        # Padding-free steps hold exactly the baseline's examples (its seeded order): per-step losses compare.
-        "same_steps": datamodule is not None and datamodule.flat is not None,
-        "micro_batch_tokens": datamodule.flat.token_budget if datamodule is not None and datamodule.flat else None,
-        "padding_fraction": datamodule.stats["train"]["padding_fraction"] if datamodule is not None else None,
+        # Padding-free steps, and preference steps (pairs in the seeded order), hold exactly the baseline's examples:
+        # per-step losses compare.
+        "same_steps": datamodule is not None and (flat is not None or cfg.objective.preference),
+        "micro_batch_tokens": flat.token_budget if flat is not None else None,
+        "padding_fraction": datamodule.stats["train"].get("padding_fraction") if datamodule is not None else None,
         "attn_implementation": cfg.model.attn_implementation,
         "compile_stats": module.throughput_summary()["compile"],
         "preflight_notes": result.notes,

@@ -36,6 +36,7 @@ BENCH_OWNED = (
     "data.format",
     "data.seed",
     "data.val_size",
+    "objective",
 )
 ABLATION = [
     "baseline",
@@ -76,10 +77,18 @@ class Settings:
     # wall-clock can so be measured in parts, each within one command's time: a step's work depends on its
     # examples, not on the adapters' values.
     first_step: int = 0
+    # sft (next-token loss), or a preference objective (dpo, orpo): data_path then holds {prompt, chosen, rejected}
+    # rows (exp.bench.pairs), a step is `micro_batch` pairs and both sides train on the same pairs step by step.
+    objective: str = "sft"
 
     def exp_overrides(self) -> list[str]:
         """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
-        if self.data_path:
+        if self.objective != "sft":
+            # exp's preference data on the pairs file; one micro-batch of the step's pairs unless exp's preflight
+            # splits it to fit (hardware.auto_micro_batch).
+            batching = [f"objective={self.objective}", "data.format=preference", f"data.path={self.data_path}",
+                        f"hardware.micro_batch_size={self.micro_batch}"]  # fmt: skip
+        elif self.data_path:
             # exp's own batching of real data (hardware=gpu's micro-batch, accumulated to the step's examples).
             batching = ["data=alpaca", f"data.path={self.data_path}"]
         else:

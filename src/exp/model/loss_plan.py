@@ -1,6 +1,7 @@
 """Which training loss a config means (`hardware.loss_impl`), decided from the config and the kind of device alone.
 
-The one place that turns `auto` into `hf`, `chunked` or `liger`: the preflight records its answer in the resolved
+The one place that turns `auto` into `hf`, `chunked` or `liger` (for a preference objective, `liger` is
+liger-kernel's chunked preference loss, where it computes the objective as exp does: `preference_liger_gap`): the preflight records its answer in the resolved
 config, the memory estimate counts the loss it names, and `exp.model.loss.resolve_loss_impl` starts from it,
 falling back only for what the loaded model or this process shows (a head that is not a plain Linear,
 liger-kernel failing to import). Torch-free.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from exp.core.config import LossImpl, TrainConfig
+from exp.core.config import DpoLoss, LossImpl, Objective, TrainConfig
 from exp.core.strategies import strategy_traits
 from exp.model.families import family_row
 
@@ -74,4 +75,23 @@ def plan_loss_impl(cfg: TrainConfig, on_cuda: bool) -> LossChoice:
         return LossChoice(
             LossImpl.chunked, f"hardware.loss_impl={wanted.value}: liger-kernel is not installed, so exp's chunked loss"
         )
-    return LossChoice(LossImpl.liger, f"hardware.loss_impl={wanted.value}: liger-kernel fused linear CE")
+    if not cfg.objective.preference:
+        return LossChoice(LossImpl.liger, f"hardware.loss_impl={wanted.value}: liger-kernel fused linear CE")
+    if gap := preference_liger_gap(cfg):
+        return LossChoice(LossImpl.chunked, f"hardware.loss_impl={wanted.value}: {gap}, so exp's chunked loss")
+    kind = cfg.objective.kind.value
+    return LossChoice(LossImpl.liger, f"hardware.loss_impl={wanted.value}: liger-kernel's chunked {kind} loss")
+
+
+def preference_liger_gap(cfg: TrainConfig) -> str | None:
+    """Why liger-kernel's chunked preference losses cannot compute this config's objective as exp does (None: they
+    can). Their chunk step projects without Gemma 2's final-logit softcap, their DPO has no IPO (it needs each
+    completion's length), and their KTO weighs every example alike."""
+    o = cfg.objective
+    if family_row(cfg.model.family).final_logit_softcapping is not None:
+        return f"liger's preference losses do not softcap the final logits ({cfg.model.family.value})"
+    if o.kind == Objective.dpo and o.dpo_loss == DpoLoss.ipo:
+        return "liger's DPO has no ipo loss"
+    if o.kind == Objective.kto and (o.desirable_weight, o.undesirable_weight) != (1.0, 1.0):
+        return "liger's KTO has no desirable / undesirable weights"
+    return None

@@ -18,15 +18,24 @@ Which log-probabilities each loss takes (TRL's convention, which the results dep
 
 Labels follow transformers' convention throughout: unshifted, the label at position t + 1 is the target of the
 logits at position t, and IGNORE_INDEX (prompt, padding) takes no part.
+
+`fused_pair_loss` and `fused_kto_loss` are the same objectives through liger-kernel's chunked preference losses
+(`hardware.loss_impl=liger`, CUDA): from the hidden states before the head, one pair (KTO: one example) of [T, vocab]
+logits at a time, the gradient with respect to the hidden states computed in the forward pass. They give the batch's
+mean loss and the metrics' inputs, not per-pair losses; where liger's definition is not exp's (ORPO's NLL, KTO's
+accuracy) a small subclass of liger's function makes it exp's. exp.model.loss_plan.preference_liger_gap says which
+objectives they cover: no final-logit softcap (liger's preference losses do not cap), no IPO, no KTO weights.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from exp.core.config import Objective, ObjectiveConfig
 from exp.core.constants import IGNORE_INDEX
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
@@ -354,3 +363,163 @@ def kto_loss(
         rejected_rewards=beta * rejected_logratios.detach(),
         kl=kl,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# liger-kernel's chunked preference losses (hardware.loss_impl=liger)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedPairLoss:
+    """A paired objective's result through liger: the batch's mean loss (ORPO: with its NLL term; differentiable
+    with respect to the hidden states) and, per pair, detached: the rewards, the policy's summed completion
+    log-probabilities and, for ORPO, the chosen completion's per-token NLL."""
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    nll: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FusedKTOLoss:
+    """KTO through liger: the mean loss over the labelled examples and sums over them (detached): the rewards and
+    summed log-probabilities of the desirable and of the undesirable ones, and how many are rewarded on the right
+    side of 0 (KTO's accuracy)."""
+
+    loss: torch.Tensor
+    chosen_rewards_sum: torch.Tensor
+    rejected_rewards_sum: torch.Tensor
+    chosen_logps_sum: torch.Tensor
+    rejected_logps_sum: torch.Tensor
+    right: torch.Tensor
+
+
+def _next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """liger scores position t against target t (no shift): the labels moved left by one, IGNORE_INDEX last, so the
+    hidden states go in whole (no copying slice), as exp.model.loss.head_inputs does."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _completion_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != IGNORE_INDEX).sum(-1)
+
+
+@functools.cache
+def _liger_functions() -> dict[str, type]:
+    """liger's autograd functions, ORPO's and KTO's made exp's (created once, on first use)."""
+    # liger-kernel is the `gpu` extra: imported only when its losses are asked for.
+    from liger_kernel.chunked_loss.dpo_loss import LigerFusedLinearDPOFunction
+    from liger_kernel.chunked_loss.kto_loss import LigerFusedLinearKTOFunction
+    from liger_kernel.chunked_loss.orpo_loss import LigerFusedLinearORPOFunction
+    from liger_kernel.chunked_loss.simpo_loss import LigerFusedLinearSimPOFunction
+
+    class PerPairNllORPO(LigerFusedLinearORPOFunction):
+        """ORPO with exp's NLL term: the mean over pairs of each chosen completion's per-token mean (`-chosen_logps`,
+        liger's per-token averages), so a batch's loss is the same however it is split into micro-batches. liger's
+        own NLL (compute_nll_loss) is the token mean over the whole batch's chosen completions."""
+
+        @staticmethod
+        def preference_loss_fn(chosen_logps, rejected_logps, full_target, beta=0.1):
+            loss, *aux = LigerFusedLinearORPOFunction.preference_loss_fn(
+                chosen_logps, rejected_logps, full_target, beta=beta
+            )
+            return loss - chosen_logps.sum() / (full_target.shape[0] // 2), *aux
+
+    class CountingKTO(LigerFusedLinearKTOFunction):
+        """liger's KTO, also counting the examples rewarded on their label's side of 0 (liger returns the rewards
+        only as sums)."""
+
+        @staticmethod
+        def preference_loss_fn(
+            log_prob_chunk, preference_labels_chunk, full_target, ref_log_prob_chunk=None, beta=0.1, kl=None
+        ):
+            out = LigerFusedLinearKTOFunction.preference_loss_fn(
+                log_prob_chunk, preference_labels_chunk, full_target, ref_log_prob_chunk, beta=beta, kl=kl
+            )
+            rewards = beta * (log_prob_chunk - ref_log_prob_chunk)
+            right = torch.where(preference_labels_chunk, rewards > 0, rewards < 0).sum().float()
+            return *out, right
+
+    return {
+        "dpo": LigerFusedLinearDPOFunction,
+        "orpo": PerPairNllORPO,
+        "simpo": LigerFusedLinearSimPOFunction,
+        "kto": CountingKTO,
+    }
+
+
+def fused_pair_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    o: ObjectiveConfig,
+    ref_hidden: torch.Tensor | None = None,
+    compiled: bool = True,
+) -> FusedPairLoss:
+    """DPO (sigmoid, hinge, robust), ORPO or SimPO of a batch of pairs through liger-kernel's chunked losses; the
+    same values as `dpo_loss`, `orpo_loss` + NLL and `simpo_loss` of `sequence_logps` over the logits hidden @ weight.T.
+
+    `hidden` [2B, T, H] (the B chosen rows, then the B rejected rows, before the head), `weight` [V, H] (the head's),
+    `labels` [2B, T] unshifted; `ref_hidden` the reference's hidden states of the same rows (DPO: the base with the
+    adapters off, without gradients; liger projects them with the same head, one chunk at a time beside the
+    policy's). `compiled`: liger's torch.compile of its per-chunk step (CUDA; eager elsewhere).
+    """
+    fns = _liger_functions()
+    target = _next_token_targets(labels)
+    if o.kind == Objective.dpo:
+        if ref_hidden is None:
+            raise ValueError("DPO through liger needs the reference's hidden states (ref_hidden)")
+        loss, (chosen, rejected, _, _, _, c, r) = fns["dpo"].apply(
+            hidden, weight, target, None, ref_hidden, weight, None, IGNORE_INDEX, o.beta, False, compiled, True,
+            False, 1, o.dpo_loss.value, o.label_smoothing,
+        )  # fmt: skip
+        return FusedPairLoss(loss, c.detach(), r.detach(), chosen.detach(), rejected.detach())
+    if o.kind == Objective.orpo:
+        loss, (chosen, rejected, _, _, _, c, r, _, _) = fns["orpo"].apply(
+            hidden, weight, target, None, IGNORE_INDEX, o.beta, False, None, compiled, 1
+        )
+    elif o.kind == Objective.simpo:
+        # liger's gamma is the margin itself; exp's simpo_gamma is the margin over beta (TRL's convention).
+        loss, (chosen, rejected, _, _, _, c, r) = fns["simpo"].apply(
+            hidden, weight, target, None, IGNORE_INDEX, o.beta, 1.0, o.label_smoothing, False, compiled,
+            o.beta * o.simpo_gamma, 1,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"objective {o.kind.value!r} is not a paired objective of liger's")
+    # ORPO and SimPO compare per-token averages; the logged log-probabilities are sums, as on the other paths.
+    counts = _completion_tokens(labels).to(chosen.dtype)
+    half = labels.shape[0] // 2
+    return FusedPairLoss(
+        loss,
+        c.detach(),
+        r.detach(),
+        (chosen * counts[:half]).detach(),
+        (rejected * counts[half:]).detach(),
+        -chosen.detach() if o.kind == Objective.orpo else None,
+    )
+
+
+def fused_kto_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    desirable: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    kl: torch.Tensor,
+    beta: float,
+    compiled: bool = True,
+) -> FusedKTOLoss:
+    """`kto_loss` (unit weights) over n labelled rows through liger-kernel's chunked KTO loss.
+
+    `hidden` / `ref_hidden` [n, T, H] the policy's and the reference's hidden states of the labelled rows, `labels`
+    [n, T] unshifted, `desirable` [n] bool, `kl` the (detached, clamped) KL baseline that `kto_loss` computes from the
+    mismatched rows."""
+    loss, (cl, rl, _, _, cr, rr, right) = _liger_functions()["kto"].apply(
+        hidden, weight, _next_token_targets(labels), desirable, None, ref_hidden, weight, None, kl, IGNORE_INDEX,
+        beta, compiled, True, False, 1,
+    )  # fmt: skip
+    return FusedKTOLoss(loss, cr.detach(), rr.detach(), cl.detach(), rl.detach(), right.detach())

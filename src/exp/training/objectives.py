@@ -6,6 +6,10 @@ its completion tokens. The reference model of DPO and KTO is the same 4-bit base
 (PEFT's `disable_adapter`), scored without gradients: no second model in memory. The losses themselves are
 exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
 
+Under `hardware.loss_impl=liger` (exp.model.loss_plan chose it: CUDA, and an objective liger computes as exp does)
+the policy's and the reference's hidden states go to liger-kernel's chunked preference losses instead
+(`fused_preference_loss`): the same loss and metrics without a pass of exp's own over the head.
+
 Metrics, summed so that a split's rates weight every pair alike (`validation_rates` divides by `pairs`): rewards
 of chosen and rejected (beta x the policy's log-probability over the reference's; ORPO and SimPO, which have no
 reference: beta x the per-token mean log-probability), their margin, preference accuracy (chosen rewarded above
@@ -23,6 +27,8 @@ from exp.model.preference import (
     average_logps,
     chunked_sequence_logps,
     dpo_loss,
+    fused_kto_loss,
+    fused_pair_loss,
     kto_loss,
     orpo_loss,
     sequence_logps,
@@ -53,6 +59,8 @@ def preference_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig, impl: LossImpl
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The batch's mean loss (over its pairs, or KTO's examples) and its metric sums (detached)."""
+    if impl == LossImpl.liger:
+        return fused_preference_loss(model, batch, o)
     desirable = batch.get("desirable")
     logps, counts = row_logps(model, batch, impl)
     half = logps.shape[0] // 2
@@ -91,6 +99,63 @@ def preference_loss(
         "logps_rejected": rejected.detach().sum(),
     }
     return loss, sums
+
+
+def _hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' hidden states before the head [N, T, H], the head's weight and the labels, on the head's device."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+    h = head_inputs(model, {**inputs, "labels": batch["labels"]})
+    if h.softcap is not None:  # the plan never picks liger here (preference_liger_gap): a cap would be dropped
+        raise ValueError("liger's preference losses do not softcap the final logits")
+    rows, length = batch["labels"].shape
+    return h.hidden.reshape(rows, length, -1), h.weight, batch["labels"].to(h.weight.device)
+
+
+def fused_preference_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`preference_loss` through liger-kernel's chunked losses (exp.model.preference.fused_pair_loss): the policy's
+    hidden states, and the reference's (the adapters off, no gradients) where the objective has one."""
+    hidden, weight, labels = _hidden(model, batch)
+    ref = None
+    if o.uses_reference:
+        with torch.no_grad(), model.disable_adapter():
+            ref = _hidden(model, batch)[0]
+    compiled = hidden.device.type == "cuda"  # liger's torch.compile of its chunk step: CUDA; eager on the CPU
+    half = labels.shape[0] // 2
+    if o.kind == Objective.kto:
+        # The reference point from the mismatched rows, as kto_loss computes it (detached: no gradient flows there).
+        with torch.no_grad():
+            kl_policy = chunked_sequence_logps(hidden[half:].detach(), weight, labels[half:])[0]
+            kl_ref = chunked_sequence_logps(ref[half:], weight, labels[half:])[0]
+        kl = (kl_policy - kl_ref).mean().clamp(min=0)
+        desirable = batch["desirable"].to(hidden.device)
+        out = fused_kto_loss(hidden[:half], weight, labels[:half], desirable, ref[:half], kl, o.beta, compiled)
+        n = torch.tensor(float(half), device=hidden.device)
+        return out.loss, {
+            "pairs": n,
+            "loss": out.loss.detach() * n,
+            "desirable": desirable.sum().float(),
+            "rewards_chosen": out.chosen_rewards_sum,
+            "rewards_rejected": out.rejected_rewards_sum,
+            "accuracy": out.right,
+            "logps_chosen": out.chosen_logps_sum,
+            "logps_rejected": out.rejected_logps_sum,
+        }
+    out = fused_pair_loss(hidden, weight, labels, o, ref, compiled)
+    c, r = out.chosen_rewards, out.rejected_rewards
+    pairs = torch.tensor(float(half), device=c.device)
+    sums = {"nll": out.nll.sum()} if out.nll is not None else {}
+    return out.loss, sums | {
+        "pairs": pairs,
+        "loss": out.loss.detach() * pairs,
+        "rewards_chosen": c.sum(),
+        "rewards_rejected": r.sum(),
+        "rewards_margin": (c - r).sum(),
+        "accuracy": (c > r).float().sum(),
+        "logps_chosen": out.chosen_logps.sum(),
+        "logps_rejected": out.rejected_logps.sum(),
+    }
 
 
 def _kto(logps, ref, desirable, o: ObjectiveConfig, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
