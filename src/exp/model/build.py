@@ -15,6 +15,7 @@ from torch import nn
 from exp.core.config import (
     ConfigError,
     LoraConfig,
+    LoraInit,
     ModelConfig,
     QuantizationConfig,
     QuantType,
@@ -279,7 +280,8 @@ def build_model(
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(first_lora.init_seed)
         model = get_peft_model(model, build_lora_config(first_lora, quantized), adapter_name=first)
-        apply_init(model, first_lora, first, quantized, resolve_checkpoint(cfg.model))
+        source = resolve_checkpoint(cfg.model) if first_lora.init == LoraInit.loftq else None  # LoftQ reads it
+        apply_init(model, first_lora, first, quantized, source)
     check_patterns(model, first_lora)
     if others:
         add_adapters(model, dict(others), build_lora_config)

@@ -56,12 +56,13 @@ def creation_init(lora: LoraConfig, quantized: bool) -> bool | str:
     return peft_init_name(lora)
 
 
-def apply_init(model: nn.Module, lora: LoraConfig, adapter: str, quantized: bool, source: str) -> None:
+def apply_init(model: nn.Module, lora: LoraConfig, adapter: str, quantized: bool, source: str | None) -> None:
     """Run the initialisations PEFT does not run at creation on a 4-bit base, and keep a residual init's starting
     adapter for `save_adapter`. `source`: where the base was loaded from (LoftQ reads the original weights there)."""
     started = time.perf_counter()
     if quantized and lora.init == LoraInit.loftq:
-        from peft import replace_lora_weights_loftq
+        assert source is not None, "LoftQ reads the original weights from the base checkpoint"
+        from peft import replace_lora_weights_loftq  # LoftQ runs only
 
         # A local directory is read as is; a hub id from the local Hugging Face cache (PEFT resolves it).
         replace_lora_weights_loftq(model, model_path=source if Path(source).is_dir() else None, adapter_name=adapter)
@@ -74,7 +75,7 @@ def apply_init(model: nn.Module, lora: LoraConfig, adapter: str, quantized: bool
         log.info("lora.init=%s: %d 4-bit layers start from their decomposition (%.1f s)",
                  lora.init.value, layers, time.perf_counter() - started)  # fmt: skip
     model.peft_config[adapter].init_lora_weights = peft_init_name(lora)
-    from peft.utils import get_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict  # the model is a PEFT model already: PEFT is loaded
 
     state = get_peft_model_state_dict(model, adapter_name=adapter)
     setattr(model, INITIAL_ADAPTER, {k: v.detach().to("cpu", copy=True) for k, v in state.items()})
