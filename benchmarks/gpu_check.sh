@@ -70,6 +70,8 @@
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
 #   preftests    python -m pytest -m gpu tests/test_gpu_objectives.py: liger's chunked preference losses against exp's
 #                own on the GPU (bf16), a DPO run killed then resumed
+#   loravariants exp.bench exp-only, Gemma-7B 2048 x 8 random tokens on the whole GPU, $LORA_STEPS (6) steps each:
+#                plain LoRA, lora=dora, lora=rslora, lora=pissa, lora.init=olora, lora.plus_lr_ratio=16 (docs/lora.md)
 #   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
 #                steps 4-6 under torch.profiler ($GROUPPROF_ARGS: more overrides, e.g. hardware.padding_free=false)
 #
@@ -311,6 +313,11 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       stage valprof 240 python3 benchmarks/val_profile.py model=${VALPROF_MODEL:-gemma3_1b} model.random_init=true \
         hardware=gpu data=alpaca data.path="$ALPACA" data.max_seq_len=2048 trainer=default trainer.max_steps=10 \
         trainer.val_every_n_steps=10 trainer.warmup_steps=0 logger=csv ;;
+    loravariants)
+      # Six fresh processes of the 7B shape in one stage: few steps each (2 untimed); the rows compare with `exp`.
+      stage loravariants 560 "${BENCH[@]}" steps=${LORA_STEPS:-6} warmup=2 variant=exp variant="exp lora=dora" \
+        variant="exp lora=rslora" variant="exp lora=pissa" variant="exp lora.init=olora" \
+        variant="exp lora.plus_lr_ratio=16" ;;
     synthfam)
       for m in ${SYNTH_MODELS:-gemma_2b gemma2_2b gemma3_1b gemma3_4b}; do
         stage "synth_$m" 200 "${BENCH[@]}" model=$m seq=${TRAIN_SEQ:-2048} micro_batch=8 steps=12 variant=exp

@@ -166,6 +166,20 @@ def test_bench_refuses_overrides_that_would_change_one_side_only(tmp_path):
     assert not list(tmp_path.glob("bench-*"))
 
 
+def test_lora_variants_are_exp_rows_and_the_shared_lora_settings_stay_the_benchs():
+    from exp.bench.variants import Settings, Variant
+
+    for text in ["exp lora=dora", "exp lora.use_rslora=true", "exp lora.plus_lr_ratio=16", "exp lora.init=olora",
+                 "exp +lora.rank_pattern.q_proj=32"]:  # fmt: skip
+        options = Variant.parse(text).options
+        Settings(model="gemma_tiny", device="cpu").exp_config(options)  # composes beside the bench's settings
+    cfg = Settings(model="gemma_tiny", device="cpu").exp_config(["lora=dora"])
+    assert cfg.lora.use_dora and cfg.lora.r == Settings().lora_r  # the option file's, and the bench's rank
+    for text in ["exp lora.r=4", "exp lora.target_modules=[q_proj]", "exp lora.init_seed=3"]:
+        with pytest.raises(ValueError, match="set by exp.bench for both sides"):
+            Variant.parse(text)
+
+
 def test_flops_per_token_of_the_gemma_7b_shape():
     from exp.bench.report import model_flops_per_token
     from exp.hardware.memory import config_arch

@@ -17,6 +17,14 @@ ROOT = Path(__file__).resolve().parents[3]
 # Settings the bench owns for both sides (its own keys): an override of them would change only the exp side.
 # Exceptions (EXP_CHOOSES) are how exp computes, not what: the attention kernel gives the same scores.
 EXP_CHOOSES = ("model.attn_implementation",)
+# LoRA variants (docs/lora.md) exist on the exp side only: their rows compare with plain LoRA, the `exp` row of the same
+# invocation. The rank, alpha, dropout, targets and init seed stay the bench's (`lora=<option>` picks an option file,
+# whose r / dropout / targets the bench's own lora.* overrides then replace).
+EXP_LORA_VARIANTS = (
+    "lora",
+    *(f"lora.{k}" for k in ("use_dora", "use_rslora", "init", "pissa_niter", "rank_pattern", "alpha_pattern")),
+    "lora.plus_lr_ratio",
+)
 BENCH_OWNED = (
     "model",
     "lora",
@@ -142,10 +150,13 @@ def check_overrides(overrides: list[str]) -> None:
     """Refuse exp overrides of what the bench sets for both sides (they would change one side only)."""
     for option in overrides:
         key = option.lstrip("+~").partition("=")[0]
-        if key not in EXP_CHOOSES and any(key == owned or key.startswith(owned + ".") for owned in BENCH_OWNED):
+        variant = key in EXP_LORA_VARIANTS or key.startswith(("lora.rank_pattern.", "lora.alpha_pattern."))
+        if key not in EXP_CHOOSES and not variant and any(key == o or key.startswith(o + ".") for o in BENCH_OWNED):
             raise ValueError(
                 f"{option!r}: {key} is set by exp.bench for both sides (use its keys: model=, seq=, micro_batch=, "
-                "steps=, lora_*=, lr=); as an exp override it would change one side only"
+                "steps=, lora_*=, lr=); as an exp override it would change one side only. (The LoRA variants, "
+                "lora=<option> and lora.use_dora / use_rslora / init / pissa_niter / rank_pattern / alpha_pattern / "
+                "plus_lr_ratio, are exp rows to compare with the plain `exp` row.)"
             )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,27 @@ class QuantType(str, Enum):
     fp4 = "fp4"
     int8 = "int8"
     none = "none"
+
+
+class LoraInit(str, Enum):
+    """How the adapters start (PEFT's `init_lora_weights`); what each does and costs: docs/lora.md."""
+
+    default = "default"  # A: Kaiming-uniform, B: zeros (PEFT's `True`): the adapter starts as a no-op
+    gaussian = "gaussian"  # A: normal with std 1/r, B: zeros
+    # The base's principal (PiSSA: top singular) or orthonormal (OLoRA: QR) directions move into the adapter and
+    # the base keeps the residual (re-quantized on a 4-bit base). The saved adapter is converted to a plain LoRA of
+    # rank 2r on the original base (exp.model.residual_init).
+    pissa = "pissa"
+    olora = "olora"
+    # LoftQ: A and B fitted to the 4-bit quantization error (PEFT's replace_lora_weights_loftq); the base is untouched.
+    loftq = "loftq"
+    # Data-driven inits, refused with the reason (see `_lora_problems`).
+    eva = "eva"
+    corda = "corda"
+
+
+# Initialisations that replace the base weights by a residual (the adapter holds what was taken out).
+RESIDUAL_INITS = (LoraInit.pissa, LoraInit.olora)
 
 
 class Accelerator(str, Enum):
@@ -196,6 +218,22 @@ class LoraConfig:
     modules_to_save: list[str] = field(default_factory=list)
     bias: str = "none"
     init_seed: int = 0  # seed of the adapter initialisation, separate from the data order
+    # DoRA (weight-decomposed LoRA): a trained magnitude per output column beside the low-rank direction update.
+    # On a 4-bit base each forward dequantizes the weight once more for the column norms: much slower (docs/lora.md).
+    use_dora: bool = False
+    # rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r, so higher ranks keep learning.
+    use_rslora: bool = False
+    init: LoraInit = LoraInit.default
+    # With init=pissa: null for the exact SVD; n for PEFT's randomized SVD with n subspace iterations ("pissa_niter_n"),
+    # seconds instead of minutes on a 7B model.
+    pissa_niter: int | None = None
+    # Per-module rank / alpha overriding r / alpha, keyed as PEFT keys them: a module name or a regex matched against
+    # the end of the module path (q_proj, or model.layers.0.self_attn.q_proj). Each key must end in a target module.
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, int] = field(default_factory=dict)
+    # LoRA+ (Hayou et al., 2024): B's learning rate is trainer.learning_rate x this ratio, A's trainer.learning_rate
+    # (the paper suggests 16 for most tasks). null: one learning rate for every adapter tensor.
+    plus_lr_ratio: float | None = None
 
 
 @dataclass
@@ -496,6 +534,7 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append("lora.target_modules is empty: name at least one module, e.g. lora.target_modules=[q_proj,v_proj]")
     if lo.bias not in ("none", "all", "lora_only"):
         p.append(f"lora.bias={lo.bias!r}: allowed values are none, all, lora_only")
+    p += _lora_problems(cfg)
     if hw.devices == 0 or hw.devices < -1 or hw.num_nodes < 1:
         p.append(
             f"hardware.devices={hw.devices}, hardware.num_nodes={hw.num_nodes}: devices must be >= 1 (or -1 for "
@@ -795,6 +834,76 @@ def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
         f"({hw.micro_batch_size}) x data-parallel processes ({replicas}) = {per_step}: gradient accumulation is "
         f"derived from it; use e.g. trainer.global_batch_size={max(per_step, 1) * 2}"
     ]
+
+
+def _lora_problems(cfg: TrainConfig) -> list[str]:
+    """The LoRA variants' rules: pattern keys that name a target, and the initialisations PEFT can run on this base."""
+    lo, q, hw = cfg.lora, cfg.quantization, cfg.hardware
+    p: list[str] = []
+    targets = "|".join(map(re.escape, lo.target_modules)) or "(?!)"
+    for key_name, pattern in (("rank_pattern", lo.rank_pattern), ("alpha_pattern", lo.alpha_pattern)):
+        for key, value in pattern.items():
+            if not re.search(rf"(^|\.)({targets})\$?$", key):  # a name, or a path or regex ending in one
+                p.append(
+                    f"lora.{key_name}: the key '{key}' names no module of lora.target_modules={list(lo.target_modules)} "
+                    "(PEFT matches a key against the end of a module path, so it must end in a target, e.g. "
+                    f"lora.{key_name}={{q_proj:16}} or {{model.layers.0.self_attn.q_proj:16}}); fix the key or add its "
+                    "module to lora.target_modules"
+                )
+            if not value > 0:
+                p.append(f"lora.{key_name}: '{key}': {value} must be a positive integer, e.g. {{{key}: 16}}")
+    if lo.plus_lr_ratio is not None and not lo.plus_lr_ratio > 0:
+        p.append(
+            f"lora.plus_lr_ratio={lo.plus_lr_ratio}: B's learning rate as a multiple of A's, a positive number (the "
+            "LoRA+ paper suggests 16), or null for one learning rate"
+        )
+    if lo.pissa_niter is not None and (lo.init != LoraInit.pissa or lo.pissa_niter < 1):
+        p.append(
+            f"lora.pissa_niter={lo.pissa_niter} with lora.init={lo.init.value}: the subspace iterations of PiSSA's "
+            "randomized SVD, a positive integer with lora.init=pissa (e.g. lora.pissa_niter=16), or null"
+        )
+    init = lo.init.value
+    if lo.init in (LoraInit.eva, LoraInit.corda):
+        p.append(
+            f"lora.init={init}: a data-driven initialisation (PEFT computes it from the base's activations on training "
+            "batches before training, initialize_lora_eva_weights / preprocess_corda), which exp's model build, done "
+            "before any data is loaded, does not run. Fix: lora.init=pissa (the data-free SVD initialisation closest "
+            "to it) or lora.init=default"
+        )
+    if lo.init in RESIDUAL_INITS:
+        if q.quant_type == QuantType.int8:
+            p.append(
+                f"lora.init={init} with quantization=int8: the base becomes the residual W - BA, which exp re-quantizes "
+                "for a 4-bit base only. Fix: quantization=nf4, or lora.init=default"
+            )
+        if (traits := _resolved_traits(hw)) is not None and traits.sharded:
+            p.append(
+                f"lora.init={init} with hardware.strategy={hw.strategy.value}: the residual base is computed layer by "
+                "layer in one process before sharding. Fix: hardware=ddp or one GPU, or lora.init=default"
+            )
+        if lo.use_dora:
+            p.append(
+                f"lora.init={init} with lora.use_dora=true: the saved adapter is converted into a plain LoRA on the "
+                "original base (ΔW = BA - B0A0), and DoRA's magnitude vector has no such form. Fix: one of the two"
+            )
+        if lo.use_rslora and (lo.rank_pattern or lo.alpha_pattern):
+            p.append(
+                f"lora.init={init} with lora.use_rslora=true and a rank/alpha pattern: PEFT cannot convert that "
+                "adapter into a plain LoRA on the original base. Fix: drop lora.use_rslora or the patterns"
+            )
+    if lo.init == LoraInit.loftq:
+        if q.quant_type != QuantType.nf4:
+            p.append(
+                f"lora.init=loftq with quantization={q.quant_type.value}: LoftQ fits the adapter to the NF4 quantization "
+                "error of each weight (PEFT's replace_lora_weights_loftq). Fix: quantization=nf4, or lora.init=default"
+            )
+        if hw.accelerator == Accelerator.cpu:
+            p.append(
+                "lora.init=loftq on the CPU: PEFT's LoftQ for a bitsandbytes 4-bit base (replace_lora_weights_loftq) "
+                "runs its SVD on CUDA only. Fix: run on a GPU (hardware=gpu), or lora.init=pissa (an SVD "
+                "initialisation that runs on the CPU)"
+            )
+    return p
 
 
 def objective_problems(cfg: TrainConfig) -> list[str]:

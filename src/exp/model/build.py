@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 from exp.core.config import (
     ConfigError,
     LoraConfig,
+    LoraInit,
     ModelConfig,
     QuantizationConfig,
     QuantType,
@@ -25,6 +27,7 @@ from exp.model import varlen
 from exp.model.adapters import add_adapters
 from exp.model.compile_cache import use_compile_cache
 from exp.model.families import family_row
+from exp.model.lora_init import apply_init, creation_init
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +198,8 @@ def warn_full_copies(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> No
             )
 
 
-def build_lora_config(cfg: LoraConfig):
+def build_lora_config(cfg: LoraConfig, quantized: bool = False):
+    """PEFT's LoraConfig; `quantized`: the base is 4-bit, where some inits run after creation (exp.model.lora_init)."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
@@ -205,8 +209,29 @@ def build_lora_config(cfg: LoraConfig):
         target_modules=list(cfg.target_modules),
         modules_to_save=list(cfg.modules_to_save) or None,
         bias=cfg.bias,
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
+        init_lora_weights=creation_init(cfg, quantized),
+        rank_pattern=dict(cfg.rank_pattern),
+        alpha_pattern=dict(cfg.alpha_pattern),
         task_type="CAUSAL_LM",
     )
+
+
+def check_patterns(model: nn.Module, cfg: LoraConfig) -> None:
+    """Every `lora.rank_pattern` / `lora.alpha_pattern` key must have matched a LoRA layer: PEFT ignores a key that
+    matches none, and the run would train at the default rank without a word."""
+    from peft.tuners.lora import LoraLayer
+
+    names = [n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for field_name, pattern in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern)):
+        for key in pattern:
+            if not any(re.match(rf"(.*\.)?({key})$", n) for n in names):  # PEFT's own match of a pattern key
+                raise ConfigError(
+                    f"lora.{field_name}: the key '{key}' matches no LoRA layer of this model (e.g. {names[0]}). "
+                    f"Fix: a target module name (lora.{field_name}={{{names[0].rsplit('.', 1)[-1]}:16}}) or the end of a "
+                    "module path as above, or remove the key."
+                )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -248,10 +273,16 @@ def build_model(
     # the CPU and then moved next to their base layer (PEFT does), so they are the same on every device: Lightning
     # calls configure_model with the strategy's device as torch's default device, where the draws would come from
     # that device's generator instead.
+    # (torch.manual_seed seeds every device's generator: an init computed on the GPU, PiSSA's randomized SVD, draws
+    # the same numbers each time the model is built, on resume too.)
     (first, first_lora), *others = (adapters or {"default": cfg.lora}).items()
+    quantized = cfg.quantization.quant_type in (QuantType.nf4, QuantType.fp4)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(first_lora.init_seed)
-        model = get_peft_model(model, build_lora_config(first_lora), adapter_name=first)
+        model = get_peft_model(model, build_lora_config(first_lora, quantized), adapter_name=first)
+        source = resolve_checkpoint(cfg.model) if first_lora.init == LoraInit.loftq else None  # LoftQ reads it
+        apply_init(model, first_lora, first, quantized, source)
+    check_patterns(model, first_lora)
     if others:
         add_adapters(model, dict(others), build_lora_config)
     if cfg.hardware.dequantized_layers:

@@ -120,7 +120,9 @@ def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
             weight = module.weight
             dtype = module.compute_dtype or weight.quant_state.dtype  # what Linear4bit.forward computes in
             r = 0
-            if fuse_lora and lora is not None and module.out_features >= module.in_features and module.bias is None:
+            # DoRA (a LoRA variant) rescales the whole output by its magnitude / column norm: no [W | B] product.
+            fusable = lora is not None and not lora.lora_variant and module.bias is None
+            if fuse_lora and fusable and module.out_features >= module.in_features:
                 r = next(iter(lora.lora_A.values())).out_features if len(lora.lora_A) == 1 else 0  # the rank
             w = torch.empty(module.out_features, module.in_features + r, dtype=dtype, device=weight.device)
             with torch.no_grad():

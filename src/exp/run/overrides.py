@@ -57,10 +57,13 @@ def _not_a_field(shown: str, parts: list[str], depth: int, fields: dict[str, Any
     if part in MOVED:
         return f"'{shown}': {MOVED[part]}."
     # Short field names (lora.r) are far from their spelled-out guesses (rank) by edit ratio: a field that starts
-    # the typed word counts as close too.
+    # the typed word counts as close too, before a longer field the word starts (lora.rank: lora.r, not
+    # lora.rank_pattern).
+    starts = sorted((f for f in fields if part.startswith(f)), key=len, reverse=True)
     close = (
         difflib.get_close_matches(part, fields, n=1)
-        or sorted((f for f in fields if part.startswith(f) or f.startswith(part)), key=len, reverse=True)[:1]
+        or starts[:1]
+        or sorted((f for f in fields if f.startswith(part)), key=len, reverse=True)[:1]
     )
     hint = f" Did you mean '{'.'.join(parts[:depth] + close)}'?" if close else ""
     return f"'{shown}': '{part}' is not a field of {where}.{hint} Allowed: {', '.join(sorted(fields))}."

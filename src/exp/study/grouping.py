@@ -3,8 +3,9 @@ hardware, tokenised data and step shape agree train together in one process (exp
 adapter, optimiser, schedule, seed and run directory. Torch-free: the launcher's process groups the jobs.
 
 What may differ inside a group is everything that lives in a job's adapter or its optimiser: `lora.*` (rank,
-alpha, dropout, targets, init seed), `trainer.*` except the step's shape (learning rate, schedule, warmup, steps,
-clipping, seed, validation and logging intervals), `data.seed` (each job's own split and order) and the logger's
+alpha, dropout, targets, init seed, rsLoRA, rank / alpha patterns; DoRA, the inits other than default / gaussian
+and LoRA+ run alone), `trainer.*` except the step's shape (learning rate, schedule, warmup, steps, clipping, seed,
+validation and logging intervals), `data.seed` (each job's own split and order) and the logger's
 run. The rest is the group's key.
 """
 
@@ -14,7 +15,7 @@ import copy
 import json
 from dataclasses import dataclass, field
 
-from exp.core.config import TrainConfig
+from exp.core.config import LoraInit, TrainConfig
 from exp.core.strategies import Strategy, strategy_traits
 from exp.run.compose import config_dict
 
@@ -94,6 +95,14 @@ def why_alone(cfg: TrainConfig) -> str | None:
         )
     if cfg.lora.modules_to_save:
         return "lora.modules_to_save: a fully trained module copy per job is not shared"
+    if cfg.lora.use_dora:
+        return "lora.use_dora: the shared base adds each job's plain LoRA product, and DoRA rescales the whole output"
+    if cfg.lora.init not in (LoraInit.default, LoraInit.gaussian):
+        return (
+            f"lora.init={cfg.lora.init.value}: the init is computed from (PiSSA, OLoRA: and changes) the base weights"
+        )
+    if cfg.lora.plus_lr_ratio is not None:
+        return "lora.plus_lr_ratio: PEFT's LoRA+ optimiser takes every trainable tensor of the model, every job's"
     return None
 
 

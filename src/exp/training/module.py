@@ -88,20 +88,39 @@ def gradient_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
-def build_optimizer(t: TrainerConfig, params: list[torch.nn.Parameter], fused: bool = False) -> torch.optim.Optimizer:
-    """`fused`: torch's fused AdamW kernel, taken when every parameter is on a device it has a kernel for."""
-    kwargs = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
+def build_optimizer(
+    t: TrainerConfig,
+    params: list[torch.nn.Parameter],
+    fused: bool = False,
+    plus_lr_ratio: float | None = None,
+    model: torch.nn.Module | None = None,
+) -> torch.optim.Optimizer:
+    """`fused`: torch's fused AdamW kernel, taken when every parameter is on a device it has a kernel for.
+    `plus_lr_ratio` (lora.plus_lr_ratio): LoRA+ through PEFT's `create_loraplus_optimizer` over `model`'s trainable
+    tensors: A (and full module copies) at trainer.learning_rate, B and 1-D tensors (biases, DoRA's magnitudes) at
+    that times the ratio. The schedule scales every group's rate alike; the groups are in the optimiser's state, so
+    a resumed run continues each at its own rate."""
+    kwargs: dict[str, Any] = dict(lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     if t.optimizer == Optimizer.adamw:
         if fused and params and all(p.device.type in FUSED_ADAMW_DEVICES for p in params):
             kwargs["fused"] = True
-        return torch.optim.AdamW(params, **kwargs)
-    import bitsandbytes as bnb
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    else:
+        import bitsandbytes as bnb  # the paged optimisers only
 
-    paged = {
-        Optimizer.paged_adamw_32bit: bnb.optim.PagedAdamW32bit,
-        Optimizer.paged_adamw_8bit: bnb.optim.PagedAdamW8bit,
-    }
-    return paged[t.optimizer](params, **kwargs)
+        cls = {
+            Optimizer.paged_adamw_32bit: bnb.optim.PagedAdamW32bit,
+            Optimizer.paged_adamw_8bit: bnb.optim.PagedAdamW8bit,
+        }[t.optimizer]
+    if plus_lr_ratio is None:
+        return cls(params, **kwargs)
+    from peft.optimizers import create_loraplus_optimizer  # LoRA+ runs only
+
+    assert model is not None, "LoRA+ groups the model's trainable tensors by name"
+    # PEFT's weight decay of the groups is its own argument (default 0): exp's trainer.weight_decay holds for all.
+    return create_loraplus_optimizer(
+        model, cls, loraplus_lr_ratio=plus_lr_ratio, loraplus_weight_decay=t.weight_decay, **kwargs
+    )
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -442,7 +461,9 @@ class QLoRAModule(L.LightningModule):
     def configure_optimizers(self):
         t = self.cfg.trainer
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(t, params, fused=self.cfg.hardware.fused_adamw)
+        optimizer = build_optimizer(
+            t, params, fused=self.cfg.hardware.fused_adamw, plus_lr_ratio=self.cfg.lora.plus_lr_ratio, model=self.model
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, t.warmup_step_count, t.max_steps, t.lr_schedule)
         )

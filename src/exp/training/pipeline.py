@@ -22,6 +22,7 @@ from exp.core.secrets import mask_secrets
 from exp.core.strategies import strategy_traits
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
 from exp.model.build import quiet_third_party_logs
+from exp.model.lora_init import save_adapter as save_lora_adapter
 from exp.run.checkpoints import last_good_checkpoint, newest_checkpoint
 from exp.run.compose import config_dict, read_resume_record, write_run_config
 from exp.run.dirs import RESUME_RECORD, RunLayout, write_json
@@ -184,7 +185,8 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
         if trainer.is_global_zero:
             save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)
     elif trainer.is_global_zero:
-        module.model.save_pretrained(tmp)  # adapter_config.json + safetensors
+        # adapter_config.json + safetensors; after PiSSA / OLoRA converted into a LoRA on the original base
+        save_lora_adapter(module.model, module.cfg.lora, tmp)
     if not trainer.is_global_zero:
         return
     try:
