@@ -8,7 +8,7 @@ Formats (`data.format`):
   turn), or else the messages the two conversations share before their last (assistant) turn.
 * `kto`: `{prompt, completion, label}` with `label` true for a desirable completion; completions as above.
 * `synthetic` (the embedded default): the generated task of exp.data.synthetic, with its right answer chosen and a
-  corrupted one (a word replaced, two swapped, or the last dropped) rejected; for KTO each example is the right or
+  corrupted one (every word replaced by another) rejected; for KTO each example is the right or
   the corrupted answer, half and half.
 
 Every row becomes `prompt` ids (`<bos>` first) and completion ids; only completion tokens carry the loss. Truncation
@@ -53,20 +53,10 @@ class PreferenceExample:
 
 
 def corrupt(words: list[str], rng: random.Random) -> list[str]:
-    """A wrong answer close to the right one: a word replaced, two swapped, or the last dropped (never the same)."""
-    out = list(words)
-    kind = rng.randrange(3)
-    if kind == 0 or len(set(out)) < 2:
-        i = rng.randrange(len(out))
-        out[i] = rng.choice([w for w in WORDS if w != out[i]])
-    elif kind == 1:
-        i, j = rng.sample(range(len(out)), 2)
-        while out[i] == out[j]:
-            i, j = rng.sample(range(len(out)), 2)
-        out[i], out[j] = out[j], out[i]
-    else:
-        out = out[:-1]
-    return out
+    """A wrong answer of the right length: every word replaced by another of the task's words. Each of its tokens
+    differs from the right answer's, so each scores the preference (one changed word would leave one token of a
+    pair's difference, which a model from random weights learns from slowly)."""
+    return [rng.choice([w for w in WORDS if w != word]) for word in words]
 
 
 def synthetic_rows(cfg: DataConfig, unpaired: bool) -> list[dict[str, Any]]:
