@@ -94,6 +94,10 @@ def why_alone(cfg: TrainConfig) -> str | None:
         )
     if cfg.lora.modules_to_save:
         return "lora.modules_to_save: a fully trained module copy per job is not shared"
+    if cfg.model.adapter:
+        return "model.adapter: a group's adapters start fresh, this job starts from a trained one"
+    if cfg.objective.preference:
+        return f"objective={cfg.objective.kind.value}: a group trains the next-token loss"
     return None
 
 

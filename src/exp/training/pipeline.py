@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from exp.core.cache import file_sha256
 from exp.core.config import ConfigError, LoggerKind, TrainConfig
 from exp.core.secrets import mask_secrets
 from exp.core.strategies import strategy_traits
@@ -171,6 +172,25 @@ def _summary(module, trainer, datamodule, result: TrainResult, resume: dict | No
         "skipped_steps": module.skipped_steps,
         "resumed_from": resume,
         "data": datamodule.stats,
+        **_objective_record(module),
+    }
+
+
+def _objective_record(module) -> dict:
+    """The adapter the run started from (its files' sha256: what it was when read), DPO / KTO's reference, and the
+    precomputed reference's cache entry and cost."""
+    cfg = module.cfg
+    start = None
+    if cfg.model.adapter:
+        start = {
+            "path": cfg.model.adapter,
+            "sha256": file_sha256(Path(cfg.model.adapter) / "adapter_model.safetensors"),
+        }
+    reference = cfg.reference
+    return {
+        "start_adapter": start,
+        "reference": reference.value if reference else None,
+        "reference_precomputed": module.reference_record,
     }
 
 
@@ -184,7 +204,8 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
         if trainer.is_global_zero:
             save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)
     elif trainer.is_global_zero:
-        module.model.save_pretrained(tmp)  # adapter_config.json + safetensors
+        # adapter_config.json + safetensors of the trained adapter alone (not the frozen reference copy beside it)
+        module.model.save_pretrained(tmp, selected_adapters=[module.model.active_adapter])
     if not trainer.is_global_zero:
         return
     try:
