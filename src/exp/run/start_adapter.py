@@ -30,11 +30,11 @@ BASE_KEYS = ("family", "hub_id", "path", "revision", "random_init")
 RANDOM_BASE_KEYS = ("arch", "seed")  # with random_init, the architecture and the seed of the random weights
 
 
-def _fix(value: str) -> str:
-    return (
-        f"model.adapter={value}: set it to an earlier run's directory (outputs/<date>/<time>, which holds adapter/) "
-        "or to a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or drop model.adapter to "
-        "start from a fresh LoRA"
+def _not_an_adapter(value: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"model.adapter={value}: {problem}. Set it to an earlier run's directory (outputs/<date>/<time>, which holds "
+        "adapter/) or to a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or drop "
+        "model.adapter to start from a fresh LoRA."
     )
 
 
@@ -43,7 +43,7 @@ def adapter_location(value: str, launch_dir: Path) -> tuple[Path, Path | None]:
     path = Path(value).expanduser()
     path = (path if path.is_absolute() else launch_dir / path).resolve()
     if not path.exists():
-        raise ConfigError(f"{_fix(value)}. The path does not exist.")
+        raise _not_an_adapter(value, f"{path} does not exist")
     layout = RunLayout(path)
     if layout.config.is_file():  # a run directory of exp.train
         if not (layout.adapter / ADAPTER_CONFIG).is_file():
@@ -57,7 +57,7 @@ def adapter_location(value: str, launch_dir: Path) -> tuple[Path, Path | None]:
     if (path / ADAPTER_CONFIG).is_file():
         parent = RunLayout(path.parent)
         return path, path.parent if path.name == layout.adapter.name and parent.config.is_file() else None
-    raise ConfigError(f"{_fix(value)}. {path} holds neither config.yaml (a run) nor {ADAPTER_CONFIG} (an adapter).")
+    raise _not_an_adapter(value, f"{path} holds neither config.yaml (a run) nor {ADAPTER_CONFIG} (an adapter)")
 
 
 def _run_status(layout: RunLayout) -> str:
@@ -77,8 +77,8 @@ def _adapter_config(value: str, adapter_dir: Path) -> dict[str, Any]:
         ) from None
     if config.get("peft_type") != "LORA":
         raise ConfigError(
-            f"model.adapter={value}: a {config.get('peft_type')} adapter; exp trains LoRA adapters. Pick a LoRA "
-            "adapter (adapter_config.json peft_type LORA)."
+            f"model.adapter={value}: its adapter_config.json says peft_type {config.get('peft_type')}; exp trains "
+            "LoRA adapters. Pick a LoRA adapter (peft_type LORA)."
         )
     if not isinstance(config.get("target_modules"), list):
         raise ConfigError(
