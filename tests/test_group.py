@@ -241,6 +241,7 @@ def test_jobs_group_by_what_their_base_depends_on():
     assert "one device" in why_alone(compose_typed(["hardware=ddp", "hardware.accelerator=cpu", "hardware.devices=2"]))
     assert "modules_to_save" in why_alone(compose_typed(["hardware=cpu", "lora.modules_to_save=[lm_head]"]))
     assert why_alone(compose_typed(["hardware=cpu", "trainer.resume=auto"])) is None  # a group continues its jobs
+    assert "objective=dpo" in why_alone(compose_typed(["hardware=cpu", "objective=dpo"]))
     jobs = [("a", base), ("b", same[0]), ("c", other[0]), ("d", same[1])]
     groups = group_jobs(jobs, cfg_of=lambda j: j[1], name_of=lambda j: j[0])
     assert [g.names for g in groups] == [["a", "b", "d"], ["c"]]
