@@ -320,7 +320,9 @@ def add_reference_adapter(model: nn.Module, adapter_dir: str) -> None:
     config.inference_mode = True
     model.add_adapter(REFERENCE_ADAPTER, config)  # inactive and frozen: the trainable adapter stays the active one
     weights = load_peft_weights(adapter_dir, device="cpu")
-    set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
+    loaded = set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
+    if loaded.unexpected_keys:  # a copy that kept its fresh initialisation would be a wrong reference, silently
+        raise RuntimeError(f"the reference copy of {adapter_dir} did not take {loaded.unexpected_keys[:3]}")
 
 
 def compile_decoder_layers(model: nn.Module) -> None:
