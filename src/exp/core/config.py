@@ -97,7 +97,7 @@ class DataFormat(str, Enum):
 
 class Objective(str, Enum):
     sft = "sft"  # next-token loss on the responses (the default)
-    dpo = "dpo"  # Direct Preference Optimization, against the base with the adapters off as the reference
+    dpo = "dpo"  # Direct Preference Optimization, against a frozen reference (objective.reference)
     orpo = "orpo"  # Odds Ratio Preference Optimization: the chosen NLL plus an odds-ratio term, no reference
     simpo = "simpo"  # Simple Preference Optimization: length-normalised margins with a target, no reference
     kto = "kto"  # Kahneman-Tversky Optimization: unpaired desirable / undesirable completions
@@ -425,7 +425,7 @@ class ObjectiveConfig:
 
     @property
     def uses_reference(self) -> bool:
-        """DPO and KTO compare with the reference model (the base with the adapters off)."""
+        """DPO and KTO compare with a reference model (objective.reference: the base, or the starting adapter)."""
         return self.kind in (Objective.dpo, Objective.kto)
 
 
