@@ -156,6 +156,24 @@ def test_the_reference_copy_is_frozen_and_the_trained_adapter_stays_active(start
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
 
 
+def test_an_adapter_of_another_shape_stops_the_build_with_the_key(start_adapter, tmp_path):
+    """A PEFT directory from elsewhere is checked when it loads: here its weights are of another hidden size."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from exp.model.build import build_model
+
+    other = tmp_path / "other"
+    shutil.copytree(start_adapter, other)
+    weights = load_file(other / "adapter_model.safetensors")
+    save_file(
+        {k: torch.zeros(v.shape[0], 2 * v.shape[1]) for k, v in weights.items()}, other / "adapter_model.safetensors"
+    )
+    with pytest.raises(ConfigError, match=r"model.adapter=.*other: the adapter does not fit this base \(size mismatch"):
+        build_model(compose_typed(["objective=dpo", f"model.adapter={other}"]))
+
+
 def _digest(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
