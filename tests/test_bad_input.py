@@ -116,6 +116,12 @@ CASES = [
         "no config.json there",
         "directory written by save_pretrained",
     ),
+    (
+        "missing-start-adapter",
+        ["objective=dpo", "model.adapter=/nonexistent/sft-run"],
+        "model.adapter=/nonexistent/sft-run: /nonexistent/sft-run does not exist",
+        "drop model.adapter to start from a fresh LoRA",
+    ),
     ("run-dir-is-a-file", ["hydra.run.dir={file}"], "is an existing file, not a directory", "hydra.run.dir="),
     ("run-dir-below-a-file", ["hydra.run.dir={file}/run"], "is an existing file", "/run."),
     (
@@ -213,6 +219,7 @@ LATE = {
     "paged-optimizer-on-cpu",
     "missing-model-path",
     "model-path-without-config",
+    "missing-start-adapter",
 }
 ROWS = [pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[0] in LATE else ()) for c in CASES]
 TEST = "test_bad_input_is_refused_clearly_and_touches_nothing"

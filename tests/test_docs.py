@@ -161,6 +161,8 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
     monkeypatch.chdir(ROOT)  # as typed in the clone's root (`--config-dir sweeps`, relative run directories)
     # The data files the docs name are the reader's own (or downloaded); the early data checks are test_data_files.py's.
     monkeypatch.setattr("exp.run.overrides._data_problems", lambda cfg: [])
+    # So are the earlier runs a command starts from (model.adapter=): test_preference_flow.py runs that workflow.
+    monkeypatch.setattr("exp.run.compose.resolve_start_adapter", lambda cfg, launch_dir: cfg)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     expected = "\n".join(cmd.output)

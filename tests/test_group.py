@@ -246,6 +246,7 @@ def test_jobs_group_by_what_their_base_depends_on():
                             ("lora.plus_lr_ratio=16", "plus_lr_ratio")]:  # fmt: skip
         assert reason in why_alone(compose_typed(["hardware=cpu", variant]))
     assert why_alone(compose_typed(["hardware=cpu", "lora=rslora", "+lora.rank_pattern.q_proj=4"])) is None
+    assert "objective=dpo" in why_alone(compose_typed(["hardware=cpu", "objective=dpo"]))
     jobs = [("a", base), ("b", same[0]), ("c", other[0]), ("d", same[1])]
     groups = group_jobs(jobs, cfg_of=lambda j: j[1], name_of=lambda j: j[0])
     assert [g.names for g in groups] == [["a", "b", "d"], ["c"]]

@@ -50,6 +50,9 @@ class PreferenceExample:
     desirable: bool = True  # KTO's label
     truncated: bool = False  # a completion was cut to fit data.max_seq_len
     row: int = -1  # its row number in the source (0 first), as the bad-row messages count
+    # The reference's summed log-probabilities of (chosen, rejected), when computed before training
+    # (objective.precompute_reference): collated as the batch's `ref_logps`.
+    reference: tuple[float, float] | None = None
 
 
 def corrupt(words: list[str], rng: random.Random) -> list[str]:
@@ -269,6 +272,8 @@ def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str,
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if items[0].rejected is None:
         batch["desirable"] = torch.tensor([e.desirable for e in items])
+    if items[0].reference is not None:  # in the rows' order: the chosen ones, then the rejected ones
+        batch["ref_logps"] = torch.tensor([e.reference[0] for e in items] + [e.reference[1] for e in items])
     return batch
 
 
@@ -313,6 +318,13 @@ class PreferenceDataModule(L.LightningDataModule):
 
     def resume_at(self, batches_seen: int) -> None:
         self.start_batch = batches_seen
+
+    def set_reference(self, train: list[tuple[float, float]], val: list[tuple[float, float]]) -> None:
+        """Give every pair its reference log-probabilities (chosen, rejected), in split order."""
+        for split, values in ((self.train_set, train), (self.val_set, val)):
+            if len(values) != len(split):
+                raise ValueError(f"{len(values)} reference values for {len(split)} examples")
+            split[:] = [dataclasses.replace(e, reference=v) for e, v in zip(split, values, strict=True)]
 
     def _rank(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -19,6 +19,7 @@ from exp.core.config import (
     ModelConfig,
     QuantizationConfig,
     QuantType,
+    Reference,
     TrainConfig,
     model_path_problem,
 )
@@ -31,6 +32,8 @@ from exp.model.lora_init import apply_init, creation_init
 
 log = logging.getLogger(__name__)
 
+# The frozen copy of the starting adapter that scores DPO / KTO's reference (objective.reference=start).
+REFERENCE_ADAPTER = "reference"
 COMPUTE_DTYPE = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -276,12 +279,19 @@ def build_model(
     # (torch.manual_seed seeds every device's generator: an init computed on the GPU, PiSSA's randomized SVD, draws
     # the same numbers each time the model is built, on resume too.)
     (first, first_lora), *others = (adapters or {"default": cfg.lora}).items()
+    if cfg.model.adapter and adapters:
+        raise ValueError("model.adapter: a job that starts from an adapter trains alone (exp.study.grouping)")
     quantized = cfg.quantization.quant_type in (QuantType.nf4, QuantType.fp4)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(first_lora.init_seed)
-        model = get_peft_model(model, build_lora_config(first_lora, quantized), adapter_name=first)
-        source = resolve_checkpoint(cfg.model) if first_lora.init == LoraInit.loftq else None  # LoftQ reads it
-        apply_init(model, first_lora, first, quantized, source)
+        if cfg.model.adapter:
+            model = load_start_adapter(model, cfg.model.adapter, cfg.lora.dropout)
+        else:
+            model = get_peft_model(model, build_lora_config(first_lora, quantized), adapter_name=first)
+            source = resolve_checkpoint(cfg.model) if first_lora.init == LoraInit.loftq else None  # LoftQ reads it
+            apply_init(model, first_lora, first, quantized, source)
+        if cfg.reference == Reference.start:
+            add_reference_adapter(model, cfg.model.adapter)
     check_patterns(model, first_lora)
     if others:
         add_adapters(model, dict(others), build_lora_config)
@@ -297,8 +307,8 @@ def build_model(
         # FSDP flattens each wrapped layer's parameters into one tensor of one dtype: adapters join the (4-bit
         # storage and norm) weights in the compute dtype. PEFT keeps them in fp32 otherwise.
         dtype = compute_dtype(cfg.hardware.precision)
-        for p in model.parameters():
-            if p.requires_grad:
+        for name, p in model.named_parameters():
+            if p.requires_grad or f".{REFERENCE_ADAPTER}." in name:
                 p.data = p.data.to(dtype)
     if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
         log.info("compile caches: %s", use_compile_cache())
@@ -306,6 +316,44 @@ def build_model(
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()
     return model
+
+
+def load_start_adapter(model: nn.Module, adapter_dir: str, dropout: float) -> nn.Module:
+    """The PEFT model over `model` with the adapter in `adapter_dir` (`model.adapter`, resolved) as its trainable
+    "default" adapter, in the adapter's own shape; `dropout` is this run's `lora.dropout`."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+
+    config = PeftLoraConfig.from_pretrained(adapter_dir)
+    config.lora_dropout = dropout
+    try:
+        return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True, config=config, torch_device="cpu")
+    except RuntimeError as e:
+        if "size mismatch" not in str(e):
+            raise
+        first = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
+        raise ConfigError(
+            f"model.adapter={adapter_dir}: the adapter does not fit this base ({first}). It was trained on "
+            f"'{config.base_model_name_or_path}', another architecture: use that base (model=... / model.path=...) "
+            "or pick an adapter trained on this one."
+        ) from None
+
+
+def add_reference_adapter(model: nn.Module, adapter_dir: str) -> None:
+    """A frozen copy of the adapter in `adapter_dir`, named REFERENCE_ADAPTER, beside the trainable one: DPO and
+    KTO's reference when it is the model at step 0 (exp.training.objectives). Without dropout, so that the reference
+    is one fixed function whatever mode the model is in."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    config = PeftLoraConfig.from_pretrained(adapter_dir)
+    config.lora_dropout = 0.0
+    config.inference_mode = True
+    model.add_adapter(REFERENCE_ADAPTER, config)  # inactive and frozen: the trainable adapter stays the active one
+    weights = load_peft_weights(adapter_dir, device="cpu")
+    loaded = set_peft_model_state_dict(model, weights, adapter_name=REFERENCE_ADAPTER)
+    if loaded.unexpected_keys:  # a copy that kept its fresh initialisation would be a wrong reference, silently
+        raise RuntimeError(f"the reference copy of {adapter_dir} did not take {loaded.unexpected_keys[:3]}")
 
 
 def compile_decoder_layers(model: nn.Module) -> None:

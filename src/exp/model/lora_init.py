@@ -123,12 +123,13 @@ def _subtract_initial(layer: nn.Module, args: tuple, output: torch.Tensor) -> to
     return output - (F.linear(F.linear(inp, a0), b0) * layer.exp_initial_scaling).to(output.dtype)
 
 
-def save_adapter(model: nn.Module, lora: LoraConfig, out_dir: Path) -> None:
-    """The adapter in PEFT's format; after a residual init (PiSSA, OLoRA) converted by PEFT into a plain LoRA of rank
-    2r on the original base (see the module docstring), loadable with `PeftModel.from_pretrained` on the checkpoint."""
+def save_adapter(model: nn.Module, lora: LoraConfig, out_dir: Path, selected: list[str] | None = None) -> None:
+    """The adapter in PEFT's format (`selected`: those of the model's adapters to save, default all); after a residual
+    init (PiSSA, OLoRA) converted by PEFT into a plain LoRA of rank 2r on the original base (see the module
+    docstring), loadable with `PeftModel.from_pretrained` on the checkpoint."""
     initial = getattr(model, INITIAL_ADAPTER, None)
     if lora.init not in RESIDUAL_INITS or initial is None:
-        model.save_pretrained(str(out_dir))
+        model.save_pretrained(str(out_dir), selected_adapters=selected)
         return
     from safetensors.torch import save_file
 
@@ -140,4 +141,6 @@ def save_adapter(model: nn.Module, lora: LoraConfig, out_dir: Path) -> None:
         with warnings.catch_warnings():
             # Loading the starting adapter for the conversion, PEFT warns that PiSSA changes the base: known here.
             warnings.filterwarnings("ignore", message="PiSSA changes the base weights")
-            model.save_pretrained(str(out_dir), path_initial_model_for_weight_conversion=str(initial_dir))
+            model.save_pretrained(
+                str(out_dir), selected_adapters=selected, path_initial_model_for_weight_conversion=str(initial_dir)
+            )

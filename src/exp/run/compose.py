@@ -18,6 +18,7 @@ from exp.core.secrets import secret_value_problems
 from exp.model.families import family_problems
 from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
 from exp.run.overrides import check_cli_overrides, composition_error
+from exp.run.start_adapter import resolve_start_adapter
 
 register_configs()
 # conf/train.yaml names a sweep job's directory with it (hydra.sweep.subdir).
@@ -66,11 +67,13 @@ def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
     cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
     if problems := secret_value_problems(config_dict(cfg)):
         raise ConfigError("\n".join(problems))
+    # A starting adapter brings its own LoRA shape (exp.run.start_adapter), which the family's checks then see.
+    cfg = resolve_start_adapter(resolve_paths(cfg, launch_dir), launch_dir)
     # The model family's rules (its LoRA targets, the attention kernels it can use) live with its row in
     # exp.model.families, above the schema's layer: checked here, once, for every composed config.
     if problems := family_problems(cfg):
         raise ConfigError("\n".join(problems))
-    return resolve_paths(cfg, launch_dir)
+    return cfg
 
 
 def compose_config(overrides: list[str], launch_dir: Path | None = None) -> TrainConfig:

@@ -103,6 +103,10 @@ def why_alone(cfg: TrainConfig) -> str | None:
         )
     if cfg.lora.plus_lr_ratio is not None:
         return "lora.plus_lr_ratio: PEFT's LoRA+ optimiser takes every trainable tensor of the model, every job's"
+    if cfg.model.adapter:
+        return "model.adapter: a group's adapters start fresh, this job starts from a trained one"
+    if cfg.objective.preference:
+        return f"objective={cfg.objective.kind.value}: a group trains the next-token loss"
     return None
 
 

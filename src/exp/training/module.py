@@ -26,6 +26,7 @@ from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
 from exp.training.faults import NonFiniteError
 from exp.training.fsdp import clean_name
 from exp.training.objectives import preference_loss, preference_rates, preference_split_rates
+from exp.training.reference import precompute_reference
 
 log = logging.getLogger("exp.module")
 
@@ -207,6 +208,8 @@ class QLoRAModule(L.LightningModule):
         self.last_good_checkpoint: Callable[[], str | None] = last_good_checkpoint or (lambda: None)
         # The training loss's implementation (hardware.loss_impl resolved for this device and model).
         self.loss_choice = LossChoice(LossImpl.hf, "not resolved yet")
+        # objective.precompute_reference: where the reference log-probabilities came from, what they cost.
+        self.reference_record: dict[str, Any] | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning may call this again (fit after validate): load once
@@ -215,6 +218,24 @@ class QLoRAModule(L.LightningModule):
         self.model = build_model(self.cfg, device)
         self.loss_choice = resolve_loss_impl(self.cfg, self.model, device)
         log.info("training loss: %s (%s)", self.loss_choice.impl.value, self.loss_choice.reason)
+
+    def on_fit_start(self) -> None:
+        datamodule = self.trainer.datamodule
+        if not self.cfg.objective.precompute_reference or datamodule is None:
+            return
+        # Under the steps' autocast (the values must be what a step's own reference pass gives), eager where the
+        # layers are compiled (one pass without gradients: compiling its graphs would cost more than it saves).
+        with self.trainer.precision_plugin.forward_context(), torch.compiler.set_stance("force_eager"):
+            self.reference_record = precompute_reference(
+                self.model,
+                datamodule,
+                self.cfg,
+                self.loss_choice.impl,
+                self.device,
+                self._gather,
+                self.trainer.global_rank,
+                self.trainer.world_size,
+            )
 
     def cpu(self) -> QLoRAModule:
         """Stay put. Lightning's teardown moves the module to the CPU after `fit`; a quantized model must stay on

@@ -2,8 +2,11 @@
 
 One forward pass scores every row of the batch (a pair's chosen rows, then its rejected rows; KTO: the examples,
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
-its completion tokens. The reference model of DPO and KTO is the same 4-bit base with the adapters switched off
-(PEFT's `disable_adapter`), scored without gradients: no second model in memory. The losses themselves are
+its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored without gradients: no
+second model in memory. With the adapters switched off (PEFT's `disable_adapter`) it is the base alone; when the
+model holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`),
+that copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once
+before training: exp.training.reference) skips the reference pass. The losses themselves are
 exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
 
 Under `hardware.loss_impl=liger` (exp.model.loss_plan chose it: CUDA, and an objective liger computes as exp does)
@@ -18,10 +21,14 @@ rejected) and the log-probabilities.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from exp.core.config import DpoLoss, LossImpl, Objective, ObjectiveConfig
+from exp.model.build import REFERENCE_ADAPTER
 from exp.model.loss import head_inputs
 from exp.model.preference import (
     average_logps,
@@ -49,9 +56,25 @@ def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) 
     return chunked_sequence_logps(hidden, h.weight, batch["labels"].to(hidden.device), h.softcap)
 
 
+@contextlib.contextmanager
+def reference_model(model: nn.Module) -> Iterator[None]:
+    """The model as the reference: the frozen starting adapter alone when the model holds one, else the base with
+    every adapter off. The trainable adapter is active again (and trainable) on exit."""
+    if REFERENCE_ADAPTER not in model.peft_config:
+        with model.disable_adapter():
+            yield
+        return
+    active = model.active_adapter
+    model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)  # freezes every adapter while it lasts
+    try:
+        yield
+    finally:
+        model.set_adapter(active)
+
+
 def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
-    """The rows' log-probabilities under the base alone (the adapters off, no gradients)."""
-    with torch.no_grad(), model.disable_adapter():
+    """The rows' log-probabilities under the reference (no gradients)."""
+    with torch.no_grad(), reference_model(model):
         return row_logps(model, batch, impl)[0]
 
 
@@ -59,12 +82,16 @@ def preference_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig, impl: LossImpl
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The batch's mean loss (over its pairs, or KTO's examples) and its metric sums (detached)."""
-    if impl == LossImpl.liger:
+    # liger's DPO and KTO take the reference's hidden states, not log-probabilities: a batch that carries its
+    # precomputed reference goes through exp's chunked path.
+    if impl == LossImpl.liger and "ref_logps" not in batch:
         return fused_preference_loss(model, batch, o)
     desirable = batch.get("desirable")
     logps, counts = row_logps(model, batch, impl)
     half = logps.shape[0] // 2
-    ref = reference_logps(model, batch, impl) if o.uses_reference else None
+    ref = None
+    if o.uses_reference:
+        ref = batch["ref_logps"].to(logps) if "ref_logps" in batch else reference_logps(model, batch, impl)
     if o.kind == Objective.kto:
         return _kto(logps, ref, desirable.to(logps.device), o, half)
     chosen, rejected = logps[:half], logps[half:]
@@ -115,11 +142,11 @@ def fused_preference_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`preference_loss` through liger-kernel's chunked losses (exp.model.preference.fused_pair_loss): the policy's
-    hidden states, and the reference's (the adapters off, no gradients) where the objective has one."""
+    hidden states, and the reference's (`reference_model`, no gradients) where the objective has one."""
     hidden, weight, labels = _hidden(model, batch)
     ref = None
     if o.uses_reference:
-        with torch.no_grad(), model.disable_adapter():
+        with torch.no_grad(), reference_model(model):
             ref = _hidden(model, batch)[0]
     compiled = hidden.device.type == "cuda"  # liger's torch.compile of its chunk step: CUDA; eager on the CPU
     half = labels.shape[0] // 2

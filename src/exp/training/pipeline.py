@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from exp.core.cache import file_sha256
 from exp.core.config import ConfigError, LoggerKind, TrainConfig
 from exp.core.secrets import mask_secrets
 from exp.core.strategies import strategy_traits
@@ -172,6 +173,25 @@ def _summary(module, trainer, datamodule, result: TrainResult, resume: dict | No
         "skipped_steps": module.skipped_steps,
         "resumed_from": resume,
         "data": datamodule.stats,
+        **_objective_record(module),
+    }
+
+
+def _objective_record(module) -> dict:
+    """The adapter the run started from (its files' sha256: what it was when read), DPO / KTO's reference, and the
+    precomputed reference's cache entry and cost."""
+    cfg = module.cfg
+    start = None
+    if cfg.model.adapter:
+        start = {
+            "path": cfg.model.adapter,
+            "sha256": file_sha256(Path(cfg.model.adapter) / "adapter_model.safetensors"),
+        }
+    reference = cfg.reference
+    return {
+        "start_adapter": start,
+        "reference": reference.value if reference else None,
+        "reference_precomputed": module.reference_record,
     }
 
 
@@ -185,8 +205,9 @@ def save_adapter(module, trainer, adapter_dir: Path, tokenizer=None) -> None:
         if trainer.is_global_zero:
             save_peft_adapter(module.model, {k.removeprefix("model."): v for k, v in full.items()}, tmp)
     elif trainer.is_global_zero:
-        # adapter_config.json + safetensors; after PiSSA / OLoRA converted into a LoRA on the original base
-        save_lora_adapter(module.model, module.cfg.lora, tmp)
+        # adapter_config.json + safetensors of the trained adapter alone (not the frozen reference copy beside it);
+        # after PiSSA / OLoRA converted into a LoRA on the original base
+        save_lora_adapter(module.model, module.cfg.lora, tmp, selected=[module.model.active_adapter])
     if not trainer.is_global_zero:
         return
     try:
