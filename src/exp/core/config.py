@@ -293,6 +293,8 @@ class DataConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # format=chat: the OpenAI-style function declarations of a row (optional; see docs/data.md "Tool calls").
+    tools_field: str = "tools"
     text_field: str = "text"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
