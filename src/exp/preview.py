@@ -62,7 +62,8 @@ def report(dm: InstructionDataModule, n: int, color: bool = False, batch_size: i
     split that holds fewer examples than one batch (`batch_size`, trainer.global_batch_size)."""
     cfg, tok = dm.cfg, dm.tokenizer
     lines = [
-        f"exp.preview: data.format={cfg.format.value} source={cfg.path or cfg.hub_id or 'synthetic'} "
+        f"exp.preview: data.format={'mixture' if cfg.mixture else cfg.format.value} "
+        f"source={cfg.path or cfg.hub_id or ('+'.join(m.label for m in cfg.mixture) if cfg.mixture else 'synthetic')} "
         f"max_seq_len={cfg.max_seq_len} train_on_prompt={cfg.train_on_prompt} packing={cfg.packing}",
         "Tokens in [[ ]] carry no loss (prompt, <bos>); the rest is what the model learns to produce.",
         "",
@@ -103,6 +104,16 @@ def report(dm: InstructionDataModule, n: int, color: bool = False, batch_size: i
             f"  packing           {tr['packed_rows']} rows of {cfg.max_seq_len} from {tr['kept']} examples, "
             f"{100 * tr['packing_efficiency']:.1f}% of slots filled"
         )
+    if "mixture" in s:
+        lines.append(
+            "  mixture           source: examples per epoch (share; weight's share), loss tokens (share), held out"
+        )
+        for m in s["mixture"]:
+            lines.append(
+                f"    {m['name']:<15} {m['epoch_examples']} ({100 * m['example_share']:.1f}%; {100 * m['target_share']:.1f}%) "
+                f"from {m['train_rows']} training rows, {m['loss_tokens']} loss tokens ({100 * m['loss_token_share']:.1f}%), "
+                f"{m['val_examples']} held out"
+            )
     for split, kept in (("train", tr["kept"]), ("validation", va["kept"])):
         if kept < batch_size:
             lines.append(

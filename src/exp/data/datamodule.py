@@ -65,6 +65,8 @@ class InstructionDataModule(L.LightningDataModule):
             "bad_rows": splits.bad_rows,
             "validated_on": splits.val_source,
         }
+        if splits.mixture is not None:  # data.mixture: each source's share of the examples and the loss tokens
+            self.stats["mixture"] = splits.mixture
         self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
         # Packing has its own meaning of a step (rows, not examples): it wins over padding-free batching.
         self.flat = flat if self.packed is None else None
@@ -89,6 +91,16 @@ class InstructionDataModule(L.LightningDataModule):
             self._batching_note(),
         )
         log.info("data: validating on %s", splits.val_source)
+        for m in splits.mixture or []:
+            log.info(
+                "data: mixture source %s: %d of %d examples per epoch (%.1f%%, weight %.1f%%), %.1f%% of the loss tokens",
+                m["name"],
+                m["epoch_examples"],
+                len(self.train_set),
+                100 * m["example_share"],
+                100 * m["target_share"],
+                100 * m["loss_token_share"],
+            )
 
     def _batching_note(self) -> str:
         """What the log line adds for packed or padding-free training (nothing for padded batches)."""
