@@ -356,6 +356,12 @@ class DataConfig:
     # Several sources, each with its own format, columns, weight and held-out part, mixed into one training set
     # (exp.data.mixture); data.path / hub_id / format / val_* are then unused. Empty: the one source above.
     mixture: list[MixtureSource] = field(default_factory=list)
+    # Read data.path (JSONL / Parquet / CSV files) as a stream, tokenised as training reads it, for files too large
+    # to tokenise up front (exp.data.streaming): memory stays flat whatever the file's size. Held out: the first
+    # data.val_size rows (a count) or data.val_path. Batches are padded, in the stream's order.
+    streaming: bool = False
+    # Streaming: the rows a seeded buffer shuffles among (0: the file's order).
+    shuffle_buffer: int = 1000
 
 
 @dataclass
@@ -676,7 +682,32 @@ def _validate(cfg: TrainConfig) -> list[str]:
             f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a whole count >= 1, e.g. data.val_size=0.1"
         )
     p += mixture_problems(cfg)
+    p += streaming_problems(cfg)
     p += library_range_problems(cfg)
+    return p
+
+
+def streaming_problems(cfg: TrainConfig) -> list[str]:
+    """What `data.streaming=true` cannot do: a stream is one local source, of unknown length, read in order."""
+    d, p = cfg.data, []
+    if d.shuffle_buffer < 0:
+        p.append(f"data.shuffle_buffer={d.shuffle_buffer}: rows to shuffle among, >= 0 (0: the file's order)")
+    if not d.streaming:
+        return p
+    why = "data.streaming=true reads one local file or directory (data.path) as a stream"
+    if d.mixture:
+        p.append(f"{why}; data.mixture is not streamed: drop data.streaming, or train one source")
+    elif not d.path:
+        p.append(f"{why}: set data.path=<file or directory> (JSONL, Parquet or CSV; a hub dataset: save it as one)")
+    if not d.val_path and d.val_size < 1:
+        p.append(
+            f"data.val_size={d.val_size:g} with data.streaming=true: a stream's length is unknown, so the held-out "
+            "split is the first data.val_size rows of the file, a count: e.g. data.val_size=500, or data.val_path"
+        )
+    if d.packing:
+        p.append("data.packing=true with data.streaming=true: packing plans over the whole split; drop one")
+    if cfg.objective.preference:
+        p.append(f"data.streaming=true with objective={cfg.objective.kind.value}: only SFT data streams")
     return p
 
 

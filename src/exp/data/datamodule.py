@@ -32,6 +32,7 @@ from exp.data.packing import pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, validation_groups
 from exp.data.preference import PreferenceDataModule
 from exp.data.splits import Splits, build_splits
+from exp.data.streaming import StreamingDataModule
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def build_datamodule(
 def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
     """The padding-free batching `hardware.padding_free` asks for (None: padded, or `data.packing`, which wins)."""
     hw = cfg.hardware
-    if not hw.padding_free or cfg.data.packing:
+    if not hw.padding_free or cfg.data.packing or cfg.data.streaming:
         return None
     budget = hw.micro_batch_tokens or hw.micro_batch_size * cfg.data.max_seq_len
     # Eager attention computes all T x T scores of a row: rows capped at max_seq_len cost what padded rows do.
@@ -309,8 +310,12 @@ def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
 
 def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | None = None) -> InstructionDataModule:
     """The DataModule a training run of `cfg` uses (its micro-batches, accumulation and ranks); preference
-    objectives read pairs (exp.data.preference)."""
+    objectives read pairs (exp.data.preference), `data.streaming` a stream (exp.data.streaming)."""
     workers = cfg.hardware.num_workers if num_workers is None else num_workers
+    if cfg.data.streaming:
+        if cfg.hardware.padding_free or cfg.data.group_by_length or workers:
+            log.info("data: streaming: padded micro-batches in the stream's order, read in the training process")
+        return StreamingDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size)
     if cfg.objective.preference:
         unpaired = cfg.objective.kind == Objective.kto
         return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers)
