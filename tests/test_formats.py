@@ -209,18 +209,19 @@ def test_tool_calls_carry_loss_and_tool_results_do_not(tokenizer):
     enc, _ = encode_rendered(tokenizer, render_row(data_cfg("chat"), TOOL_ROWS[1], tokenizer), 512, False)
     loss_text, free_text = split_by_label(tokenizer, enc)
     assert loss_text == (
-        'Let me add them.\n```tool_call\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```<end_of_turn>'
+        'Let me add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><end_of_turn>'
         "2 + 3 = 5.<end_of_turn>"
     )
     assert free_text == (
-        "<bos><start_of_turn>user\nYou can call these functions:\n"
+        "<bos><start_of_turn>user\nYou can call these functions:\n<tools>\n"
         '{"name": "add", "description": "Add two integers", "parameters": {"type": "object", "properties": '
-        '{"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}\n\nWhat is 2 + 3?<end_of_turn>\n'
-        "<start_of_turn>model\n\n<start_of_turn>user\n```tool_output\n5\n```<end_of_turn>\n<start_of_turn>model\n"
+        '{"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}\n</tools>\n\n'
+        "What is 2 + 3?<end_of_turn>\n<start_of_turn>model\n\n"
+        "<start_of_turn>user\n<tool_response>\n5\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
     )
     # A call without text (content null) is a response of its own.
     enc, _ = encode_rendered(tokenizer, render_row(data_cfg("chat"), TOOL_ROWS[0], tokenizer), 512, False)
-    assert split_by_label(tokenizer, enc)[0].startswith('```tool_call\n{"name": "get_weather", "arguments": {"city"')
+    assert split_by_label(tokenizer, enc)[0].startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city"')
 
 
 def test_nulls_that_datasets_adds_to_tools_and_calls_are_dropped(tokenizer):

@@ -14,7 +14,7 @@ from conftest import compose_typed
 
 from exp.core.config import ConfigError
 from exp.data.splits import all_examples
-from exp.data.streaming import ExampleStream, RowStream, StreamingDataModule
+from exp.data.streaming import ExampleStream, RowStream, StreamingDataModule, plain_note
 
 
 def write_rows(path: Path, n: int, seed: int) -> Path:
@@ -82,7 +82,7 @@ def test_a_noted_position_restores_exactly_across_epochs(files, tokenizer):
     stream = ExampleStream(cfg, tokenizer, rows, "t")
     for _ in range(50):
         stream.next_example()
-    note = json.loads(json.dumps(rows.note()))  # plain types, as a checkpoint stores them
+    note = json.loads(json.dumps(plain_note(rows.note())))  # plain types, as a checkpoint stores them
     after = [stream.next_example() for _ in range(40)]  # into the second epoch
     assert rows.epoch == 1
     again = ExampleStream(cfg, tokenizer, RowStream([train], 0, 8, cfg.seed, note), "t")

@@ -40,7 +40,7 @@ from exp.data.splits import keep_examples, usable_encoded
 log = logging.getLogger(__name__)
 
 # Notes kept of the latest batches: Lightning fetches a batch or two ahead of the one it trains on.
-KEPT_NOTES = 64
+KEPT_NOTES = 16
 # Training examples the chance-level accuracy is counted on (the stream is not read whole for it).
 CHANCE_EXAMPLES = 2000
 
@@ -110,16 +110,26 @@ class RowStream:
             self._start(self.epoch + 1)
 
     def note(self) -> dict:
-        """Where the stream is, in plain types (a checkpoint is read with `weights_only=True`)."""
-        version, state, gauss = self.rng.getstate()
+        """Where the stream is (the buffer's rows by reference: a note is taken before every batch, and only the
+        one a checkpoint stores is written out, by `plain_note`)."""
         return {
             "epoch": self.epoch,
             "reader": copy.deepcopy(self.rows.state_dict()),
             "read": self.read,
             "exhausted": self.exhausted,
-            "buffer": [[i, json.dumps(r, default=str)] for i, r in self.buffer],
-            "rng": [version, list(state), gauss],
+            "buffer": list(self.buffer),
+            "rng": self.rng.getstate(),
         }
+
+
+def plain_note(note: dict) -> dict:
+    """A note in plain types, as a checkpoint stores it (read with `weights_only=True`): rows as JSON text."""
+    version, state, gauss = note["rng"]
+    return {
+        **note,
+        "buffer": [[i, json.dumps(r, default=str)] for i, r in note["buffer"]],
+        "rng": [version, list(state), gauss],
+    }
 
 
 class ExampleStream:
@@ -278,7 +288,7 @@ class StreamingDataModule(L.LightningDataModule):
         g = self.trainer.lightning_module.batches_seen * self.batches.world
         if g not in self.batches.notes:
             raise RuntimeError(f"no note of the data stream before batch {g} (kept: {list(self.batches.notes)})")
-        return {"batches": g, "note": self.batches.notes[g]}
+        return {"batches": g, "note": plain_note(self.batches.notes[g])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.resume_note = state.get("note")
