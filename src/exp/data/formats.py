@@ -61,7 +61,8 @@ SHAREGPT_ROLES = {
     "bing": "assistant",
     "system": "system",
 }
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"  # format=chat only: a tool's result (OpenAI's convention), rendered as prompt
 GUANACO_TURN = re.compile(r"(### Human:|### Assistant:)")
 
 
@@ -185,14 +186,15 @@ def _messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, Any]]:
         if not isinstance(content, str) or not isinstance(role, str):
             raise BadRow(f"message {j}: '{content_key}' and '{role_key}' must be strings")
         role = SHAREGPT_ROLES.get(role.lower(), role) if sharegpt else role
-        if role not in CHAT_ROLES or (sharegpt and role == "tool"):
-            raise BadRow(f"message {j} has role '{m[role_key]}' (expected one of {', '.join(CHAT_ROLES)})")
+        roles = CHAT_ROLES if sharegpt else (*CHAT_ROLES, TOOL_ROLE)
+        if role not in roles:
+            raise BadRow(f"message {j} has role '{m[role_key]}' (expected one of {', '.join(roles)})")
         message: dict[str, Any] = {"role": role, "content": content}
         if calls:
             if role != "assistant":
                 raise BadRow(f"message {j}: only assistant messages make tool_calls (this one is '{role}')")
             message["tool_calls"] = [_tool_call(c, j) for c in calls]
-        if role == "tool":  # templates that name the answering function read these
+        if role == TOOL_ROLE:  # templates that name the answering function read these
             message.update({k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None})
         messages.append(message)
     if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
@@ -247,7 +249,7 @@ def render_chat(
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise BadRow("the tokenizer has no chat template (use format=alpaca or prompt_completion)")
-    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+    if tools or any(m["role"] == TOOL_ROLE or m.get("tool_calls") for m in messages):
         if problem := tool_template_problem(tokenizer.chat_template, tokenizer):
             raise ConfigError(
                 f"the data has tool calls ('{tools_key}', assistant 'tool_calls' or 'tool' messages) but {problem}. "
