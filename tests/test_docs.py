@@ -227,14 +227,18 @@ def check_preview(cmd: DocCommand, args: list[str], tmp_path, monkeypatch, capsy
     from exp.preview import main
 
     monkeypatch.chdir(tmp_path)
-    path = next(a.split("=", 1)[1] for a in args if a.startswith("data.path="))
+    paths = [a.split("=", 1)[1] for a in args if a.startswith("data.path=")]
+    # A mixture names its sources' files inside the override: data.mixture=[{path: a.jsonl, ...}, ...]
+    paths += [p for a in args if a.startswith("data.mixture=") for p in re.findall(r"\bpath: ([^,}\s]+)", a)]
+    path = paths[0]
     real = SHARED_DATA / path if SHARED_DATA else None
     if path == "alpaca_en_demo.json" and real and real.exists():  # the README's download
         shutil.copy(real, path)
     elif path == "alpaca_en_demo.json":  # a fresh clone: the README's example of the format, enough for a split
         Path(path).write_text(json.dumps(json.loads(doc_block("README.md", "### Your own data")) * 10))
     else:
-        Path(path).write_text(doc_block("docs/data.md", f"<!-- file: {path} -->"))
+        for p in paths:
+            Path(p).write_text(doc_block("docs/data.md", f"<!-- file: {p} -->"))
     assert main(args) == 0, capsys.readouterr().err
     out = capsys.readouterr()
     logged = "\n".join(caplog.messages)  # what the CLI's log handler prints (bad rows)

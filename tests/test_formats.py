@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import SHORT, compose_typed
@@ -195,3 +196,58 @@ def test_each_format_trains_end_to_end_on_the_tiny_4bit_model(fmt, tmp_path):
     assert summary["data"]["train"]["kept"] == 16 and summary["data"]["val"]["kept"] == 8
     assert summary["data"]["train"]["loss_tokens"] > 0
     assert result.final_val["val/loss"] < result.initial_val["val/loss"]
+
+
+TOOL_ROWS = [
+    json.loads(line) for line in (Path(__file__).parent / "data" / "tool_calls.jsonl").read_text().splitlines()
+]
+
+
+def test_tool_calls_carry_loss_and_tool_results_do_not(tokenizer):
+    """OpenAI-style tools / tool_calls / tool messages: the declarations open the first turn, the assistant's calls
+    and answers carry the loss token for token, the tool's result is prompt; string arguments are parsed."""
+    enc, _ = encode_rendered(tokenizer, render_row(data_cfg("chat"), TOOL_ROWS[1], tokenizer), 512, False)
+    loss_text, free_text = split_by_label(tokenizer, enc)
+    assert loss_text == (
+        'Let me add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><end_of_turn>'
+        "2 + 3 = 5.<end_of_turn>"
+    )
+    assert free_text == (
+        "<bos><start_of_turn>user\nYou can call these functions:\n<tools>\n"
+        '{"name": "add", "description": "Add two integers", "parameters": {"type": "object", "properties": '
+        '{"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}\n</tools>\n\n'
+        "What is 2 + 3?<end_of_turn>\n<start_of_turn>model\n\n"
+        "<start_of_turn>user\n<tool_response>\n5\n</tool_response><end_of_turn>\n<start_of_turn>model\n"
+    )
+    # A call without text (content null) is a response of its own.
+    enc, _ = encode_rendered(tokenizer, render_row(data_cfg("chat"), TOOL_ROWS[0], tokenizer), 512, False)
+    assert split_by_label(tokenizer, enc)[0].startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city"')
+
+
+def test_nulls_that_datasets_adds_to_tools_and_calls_are_dropped(tokenizer):
+    """`datasets` reads the objects of a column as one struct type: a key that only some rows' tools or calls have
+    comes back as null in the others, which no row wrote; the rendering drops nulls."""
+    row = json.loads(json.dumps(TOOL_ROWS[1]))
+    row["tools"][0]["function"]["strict"] = None
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"a": 2, "b": 3, "c": None}
+    rendered = "".join(render_row(data_cfg("chat"), row, tokenizer).texts)
+    assert "null" not in rendered and '"arguments": {"a": 2, "b": 3}' in rendered
+
+
+def test_a_template_without_tools_is_refused_naming_the_fields(tokenizer):
+    """Gemma's own template has no tool role and ignores tool_calls: training would silently learn empty turns."""
+    import copy
+
+    from exp.core.config import ConfigError
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' + "
+        "(message['content'] or '') + '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(
+        ConfigError, match="'tools', assistant 'tool_calls' or 'tool' messages.*drops the declarations, the calls"
+    ):
+        render_row(data_cfg("chat"), TOOL_ROWS[1], tok)
+    render_row(data_cfg("chat"), TOOL_ROWS[2], tok)  # a row without tools still renders

@@ -23,6 +23,7 @@ from exp.core.cli import Key, Parsed, Tool, run_tool
 from exp.core.constants import IGNORE_INDEX
 from exp.data.datamodule import InstructionDataModule
 from exp.data.preference import PreferenceDataModule, PreferenceExample, collate_preference, row_list
+from exp.data.streaming import StreamingDataModule
 
 DIM, RESET = "\033[2m", "\033[0m"
 TOOL = Tool("exp.preview", __doc__, (Key("n", 3, "training examples to print", at_least=1),), hydra=True)
@@ -71,18 +72,15 @@ def report(dm: InstructionDataModule, n: int, color: bool = False, batch_size: i
     split that holds fewer examples than one batch (`batch_size`, trainer.global_batch_size)."""
     cfg, tok = dm.cfg, dm.tokenizer
     lines = [
-        f"exp.preview: data.format={cfg.format.value} source={cfg.path or cfg.hub_id or 'synthetic'} "
+        f"exp.preview: data.format={'mixture' if cfg.mixture else cfg.format.value} "
+        f"source={cfg.path or cfg.hub_id or ('+'.join(m.label for m in cfg.mixture) if cfg.mixture else 'synthetic')} "
         f"max_seq_len={cfg.max_seq_len} train_on_prompt={cfg.train_on_prompt} packing={cfg.packing}",
         "Tokens in [[ ]] carry no loss (prompt, <bos>); the rest is what the model learns to produce.",
         "",
     ]
-    for i, e in enumerate(dm.train_set[:n]):
-        n_loss = sum(t != IGNORE_INDEX for t in e.labels[1:])
-        lines += [
-            f"--- example {i} ({len(e.input_ids)} tokens, {n_loss} with loss{', truncated' if e.truncated else ''})",
-            render_tokens(tok, e.input_ids, e.labels, color),
-            "",
-        ]
+    if dm.stats.get("streaming"):
+        return "\n".join(lines + _stream_report(dm, n, color))
+    lines += _example_lines(tok, dm.train_set[:n], color)
     if dm.packed:
         row = dm.packed[0]
         starts = [k for k, p in enumerate(row.position_ids) if p == 0]
@@ -112,6 +110,16 @@ def report(dm: InstructionDataModule, n: int, color: bool = False, batch_size: i
             f"  packing           {tr['packed_rows']} rows of {cfg.max_seq_len} from {tr['kept']} examples, "
             f"{100 * tr['packing_efficiency']:.1f}% of slots filled"
         )
+    if "mixture" in s:
+        lines.append(
+            "  mixture           source: examples per epoch (share; weight's share), loss tokens (share), held out"
+        )
+        for m in s["mixture"]:
+            lines.append(
+                f"    {m['name']:<15} {m['epoch_examples']} ({100 * m['example_share']:.1f}%; {100 * m['target_share']:.1f}%) "
+                f"from {m['train_rows']} training rows, {m['loss_tokens']} loss tokens ({100 * m['loss_token_share']:.1f}%), "
+                f"{m['val_examples']} held out"
+            )
     for split, kept in (("train", tr["kept"]), ("validation", va["kept"])):
         if kept < batch_size:
             lines.append(
@@ -223,6 +231,33 @@ def _rows_and_why(bad: list[tuple[int, str]], shown: int = 5) -> str:
     )
 
 
+def _example_lines(tok: Any, examples: list, color: bool) -> list[str]:
+    lines = []
+    for i, e in enumerate(examples):
+        n_loss = sum(t != IGNORE_INDEX for t in e.labels[1:])
+        lines += [
+            f"--- example {i} ({len(e.input_ids)} tokens, {n_loss} with loss{', truncated' if e.truncated else ''})",
+            render_tokens(tok, e.input_ids, e.labels, color),
+            "",
+        ]
+    return lines
+
+
+def _stream_report(dm: Any, n: int, color: bool) -> list[str]:
+    """data.streaming: the stream's first `n` training examples and what is known without reading it whole: the
+    held-out split's statistics."""
+    va, shown = dm.stats["val"], dm.train_examples(n)
+    lengths = [len(e.input_ids) for e in dm.val_set]
+    return _example_lines(dm.tokenizer, shown, color) + [
+        "statistics (streaming: the training split is read as it trains; these are of the held-out split)",
+        f"  held out          {va['kept']} examples: {dm.stats['validated_on']}",
+        f"  truncated         {va['truncated']} at max_seq_len={dm.cfg.max_seq_len}",
+        f"  length (tokens)   {_dist(lengths)}",
+        f"  loss-bearing      {100 * va['loss_tokens'] / max(va['tokens'], 1):.1f}% of tokens",
+        f"  shuffle buffer    {dm.cfg.shuffle_buffer} rows (data.seed={dm.cfg.seed})",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_tool(TOOL, _preview, argv)
 
@@ -243,7 +278,10 @@ def _preview(args: Parsed) -> int:
         print(text)
         return 0
     step_micro_batches = cfg.accumulate_grad_batches * cfg.data_parallel_size
-    dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, step_micro_batches)
+    if cfg.data.streaming:
+        dm = StreamingDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size)
+    else:
+        dm = build_datamodule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, 0, step_micro_batches)
     print(report(dm, args.values["n"], color=sys.stdout.isatty(), batch_size=cfg.trainer.global_batch_size))
     return 0
 

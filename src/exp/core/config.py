@@ -319,6 +319,44 @@ class HardwareConfig:
     memory_budget_gib: float | None = None
 
 
+# The `data.<name>_field` column mappings a mixture source may set in its `fields` (the SFT formats' columns).
+MIXTURE_FIELDS = ("instruction", "input", "output", "prompt", "completion", "messages", "tools", "text")
+# The formats a mixture may mix: the SFT ones (preference pairs train other objectives).
+MIXTURE_FORMATS = ("synthetic", "alpaca", "prompt_completion", "chat", "sharegpt", "text", "guanaco")
+
+
+@dataclass
+class MixtureSource:
+    """One source of `data.mixture`: where its rows come from, how they read, its share of each training epoch and
+    its held-out part (docs/data.md "Mixtures")."""
+
+    # A local file / directory, or a hub dataset (and its split); neither for format=synthetic (the generated task,
+    # data.num_examples rows).
+    path: str | None = None
+    hub_id: str | None = None
+    split: str = "train"
+    format: DataFormat = DataFormat.alpaca
+    # Relative weight: the source's share of every training epoch's examples is weight / (sum of weights); an
+    # epoch holds as many examples as all sources' training splits together. 0: held out only (validated on).
+    weight: float = 1.0
+    # This source's held-out part, carved before mixing (a fraction < 1 or a count >= 1, drawn with data.seed), or
+    # every usable row of its own val_path.
+    val_size: float = 0.1
+    val_path: str | None = None
+    # Column mappings, as data.<name>_field: e.g. {instruction: question, output: answer}.
+    fields: dict[str, str] = field(default_factory=dict)
+    # How reports name it (default: the file's stem, the hub id, or "synthetic").
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.path:
+            return Path(self.path).stem
+        return self.hub_id or self.format.value
+
+
 @dataclass
 class DataConfig:
     """The examples: where they come from and how they become token ids."""
@@ -341,6 +379,8 @@ class DataConfig:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
+    # format=chat: the OpenAI-style function declarations of a row (optional; see docs/data.md "Tool calls").
+    tools_field: str = "tools"
     text_field: str = "text"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
@@ -361,6 +401,15 @@ class DataConfig:
     # Size of the generated default dataset (`format=synthetic`).
     num_examples: int = 4000
     seed: int = 0
+    # Several sources, each with its own format, columns, weight and held-out part, mixed into one training set
+    # (exp.data.mixture); data.path / hub_id / format / val_* are then unused. Empty: the one source above.
+    mixture: list[MixtureSource] = field(default_factory=list)
+    # Read data.path (JSONL / Parquet / CSV files) as a stream, tokenised as training reads it, for files too large
+    # to tokenise up front (exp.data.streaming): memory stays flat whatever the file's size. Held out: the first
+    # data.val_size rows (a count) or data.val_path. Batches are padded, in the stream's order.
+    streaming: bool = False
+    # Streaming: the rows a seeded buffer shuffles among (0: the file's order).
+    shuffle_buffer: int = 1000
 
 
 @dataclass
@@ -697,7 +746,83 @@ def _validate(cfg: TrainConfig) -> list[str]:
         p.append(
             f"data.val_size={d.val_size}: must be a fraction in (0, 1) or a whole count >= 1, e.g. data.val_size=0.1"
         )
+    p += mixture_problems(cfg)
+    p += streaming_problems(cfg)
     p += library_range_problems(cfg)
+    return p
+
+
+def streaming_problems(cfg: TrainConfig) -> list[str]:
+    """What `data.streaming=true` cannot do: a stream is one local source, of unknown length, read in order."""
+    d, p = cfg.data, []
+    if d.shuffle_buffer < 0:
+        p.append(f"data.shuffle_buffer={d.shuffle_buffer}: rows to shuffle among, >= 0 (0: the file's order)")
+    if not d.streaming:
+        return p
+    why = "data.streaming=true reads one local file or directory (data.path) as a stream"
+    if d.mixture:
+        p.append(f"{why}; data.mixture is not streamed: drop data.streaming, or train one source")
+    elif not d.path:
+        p.append(f"{why}: set data.path=<file or directory> (JSONL, Parquet or CSV; a hub dataset: save it as one)")
+    if not d.val_path and d.val_size < 1:
+        p.append(
+            f"data.val_size={d.val_size:g} with data.streaming=true: a stream's length is unknown, so the held-out "
+            "split is the first data.val_size rows of the file, a count: e.g. data.val_size=500, or data.val_path"
+        )
+    if d.packing:
+        p.append("data.packing=true with data.streaming=true: packing plans over the whole split; drop one")
+    if cfg.objective.preference:
+        p.append(f"data.streaming=true with objective={cfg.objective.kind.value}: only SFT data streams")
+    return p
+
+
+def mixture_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with `data.mixture`: sources without data, unknown column keys, weights that cannot make an
+    epoch, a mixture beside a single source or with a preference objective."""
+    d, p = cfg.data, []
+    if not d.mixture:
+        return p
+    for key in ("path", "hub_id", "val_path"):
+        if getattr(d, key):
+            p.append(
+                f"data.{key}={getattr(d, key)} is set beside data.mixture, which lists the sources and would ignore "
+                f"it: move it into a source of data.mixture (or drop data.mixture)"
+            )
+    if cfg.objective.preference:
+        p.append(
+            f"data.mixture with objective={cfg.objective.kind.value}: mixtures hold SFT examples; preference "
+            "objectives read one preference source (data.format=preference / kto and data.path)"
+        )
+    for i, s in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        if s.format.value not in MIXTURE_FORMATS:
+            p.append(
+                f"{key}.format={s.format.value}: a mixture mixes SFT formats ({', '.join(MIXTURE_FORMATS)}); train "
+                "preference data alone with data.format and data.path"
+            )
+        has_data = bool(s.path or s.hub_id)
+        if s.format == DataFormat.synthetic and has_data:
+            p.append(f"{key}: format=synthetic generates its rows and reads no path or hub_id; drop them")
+        elif s.format != DataFormat.synthetic and has_data == bool(s.path and s.hub_id):
+            p.append(f"{key} (format={s.format.value}): give exactly one of path=<file or directory> or hub_id=<name>")
+        if not math.isfinite(s.weight) or s.weight < 0:
+            p.append(f"{key}.weight={s.weight}: a weight is a share of each epoch, >= 0 (0: validated on only)")
+        if s.val_size <= 0 or (s.val_size >= 1 and s.val_size != int(s.val_size)):
+            p.append(f"{key}.val_size={s.val_size}: must be a fraction in (0, 1) or a whole count >= 1, e.g. 0.1")
+        unknown = sorted(set(s.fields) - set(MIXTURE_FIELDS))
+        if unknown:
+            p.append(
+                f"{key}.fields has {unknown}: the keys are the columns a format reads ({', '.join(MIXTURE_FIELDS)}), "
+                f"each mapped to the file's column name, e.g. fields={{instruction: question}}"
+            )
+    weights = [s.weight for s in d.mixture]
+    if all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) <= 0:
+        p.append(
+            f"data.mixture weights {weights} sum to 0: no source would be trained on; give at least one a weight > 0"
+        )
+    labels = [s.label for s in d.mixture]
+    if len(set(labels)) < len(labels):
+        p.append(f"data.mixture names its sources {labels}: two share a name; give each a distinct name=<...>")
     return p
 
 
@@ -1016,6 +1141,7 @@ __all__ = [
     "COMPILE_CHOICES",
     "PRECISIONS",
     "QuantType",
+    "MixtureSource",
     "QuantizationConfig",
     "Reference",
     "Schedule",
@@ -1033,8 +1159,11 @@ def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
     for holder in (cfg.data, cfg.model):
         if holder.path and not Path(holder.path).expanduser().is_absolute():
             holder.path = str((launch_dir / holder.path).resolve())
-    if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().is_absolute():
-        cfg.data.val_path = str((launch_dir / cfg.data.val_path).resolve())
+    for holder in (cfg.data, *cfg.data.mixture):
+        for key in ("path", "val_path") if holder is not cfg.data else ("val_path",):
+            value = getattr(holder, key)
+            if value and not Path(value).expanduser().is_absolute():
+                setattr(holder, key, str((launch_dir / value).resolve()))
     if cfg.model.path and (problem := model_path_problem(cfg.model.path)):
         raise ConfigError(problem)
     return cfg

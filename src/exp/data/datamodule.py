@@ -32,6 +32,7 @@ from exp.data.packing import pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, validation_groups
 from exp.data.preference import PreferenceDataModule
 from exp.data.splits import Splits, build_splits
+from exp.data.streaming import StreamingDataModule
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class InstructionDataModule(L.LightningDataModule):
             "bad_rows": splits.bad_rows,
             "validated_on": splits.val_source,
         }
+        if splits.mixture is not None:  # data.mixture: each source's share of the examples and the loss tokens
+            self.stats["mixture"] = splits.mixture
         self.packed = pack(self.train_set, cfg.max_seq_len, IGNORE_INDEX) if cfg.packing else None
         # Packing has its own meaning of a step (rows, not examples): it wins over padding-free batching.
         self.flat = flat if self.packed is None else None
@@ -89,6 +92,16 @@ class InstructionDataModule(L.LightningDataModule):
             self._batching_note(),
         )
         log.info("data: validating on %s", splits.val_source)
+        for m in splits.mixture or []:
+            log.info(
+                "data: mixture source %s: %d of %d examples per epoch (%.1f%%, weight %.1f%%), %.1f%% of the loss tokens",
+                m["name"],
+                m["epoch_examples"],
+                len(self.train_set),
+                100 * m["example_share"],
+                100 * m["target_share"],
+                100 * m["loss_token_share"],
+            )
 
     def _batching_note(self) -> str:
         """What the log line adds for packed or padding-free training (nothing for padded batches)."""
@@ -287,7 +300,7 @@ def build_datamodule(
 def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
     """The padding-free batching `hardware.padding_free` asks for (None: padded, or `data.packing`, which wins)."""
     hw = cfg.hardware
-    if not hw.padding_free or cfg.data.packing:
+    if not hw.padding_free or cfg.data.packing or cfg.data.streaming:
         return None
     budget = hw.micro_batch_tokens or hw.micro_batch_size * cfg.data.max_seq_len
     # Eager attention computes all T x T scores of a row: rows capped at max_seq_len cost what padded rows do.
@@ -297,8 +310,12 @@ def flat_batching(cfg: TrainConfig) -> FlatBatching | None:
 
 def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | None = None) -> InstructionDataModule:
     """The DataModule a training run of `cfg` uses (its micro-batches, accumulation and ranks); preference
-    objectives read pairs (exp.data.preference)."""
+    objectives read pairs (exp.data.preference), `data.streaming` a stream (exp.data.streaming)."""
     workers = cfg.hardware.num_workers if num_workers is None else num_workers
+    if cfg.data.streaming:
+        if cfg.hardware.padding_free or cfg.data.group_by_length or workers:
+            log.info("data: streaming: padded micro-batches in the stream's order, read in the training process")
+        return StreamingDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size)
     if cfg.objective.preference:
         unpaired = cfg.objective.kind == Objective.kto
         return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers)

@@ -74,7 +74,7 @@ def encode_rendered(
     return Encoded(ids, labels, truncated), truncated
 
 
-def _encode_row(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
+def encode_row(row: dict[str, Any], cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
     """`datasets.map` function: one row -> ids, labels and what happened (error / truncated / dropped)."""
     try:
         enc, truncated = encode_rendered(
@@ -119,7 +119,7 @@ def encode_source(cfg: DataConfig, source: Source, tokenizer: Any, tokenizer_fp:
 
     def tokenise(tmp: Path) -> None:
         ds.map(
-            _encode_row,
+            encode_row,
             fn_kwargs={"cfg": cfg, "tokenizer": tokenizer},
             remove_columns=ds.column_names,
             num_proc=num_proc,

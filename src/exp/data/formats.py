@@ -9,7 +9,8 @@ text is expected, raises `BadRow` with a reason; the caller collects those per r
 |-------------------|-----------------------------------------------------|---------------------------------------------|
 | synthetic, alpaca | instruction (+ optional input), output              | the Alpaca template, then the output        |
 | prompt_completion | prompt, completion                                  | prompt verbatim, completion verbatim        |
-| chat              | messages: [{role, content}]                         | the tokenizer's chat template               |
+| chat              | messages: [{role, content}] (+ optional tools,      | the tokenizer's chat template               |
+|                   | assistant tool_calls, tool results)                 |                                             |
 | sharegpt          | conversations: [{from, value}]                      | mapped to roles, then the chat template     |
 | text              | text                                                | all of it carries loss (continued pretraining) |
 | guanaco           | text: "### Human: ... ### Assistant: ..."           | the text verbatim; the assistant parts carry loss |
@@ -17,11 +18,13 @@ text is expected, raises `BadRow` with a reason; the caller collects those per r
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from exp.core.config import DataConfig, DataFormat
+from exp.core.config import ConfigError, DataConfig, DataFormat
 
 
 class BadRow(ValueError):
@@ -59,6 +62,7 @@ SHAREGPT_ROLES = {
     "system": "system",
 }
 CHAT_ROLES = ("system", "user", "assistant")
+TOOL_ROLE = "tool"  # format=chat only: a tool's result (OpenAI's convention), rendered as prompt
 GUANACO_TURN = re.compile(r"(### Human:|### Assistant:)")
 
 
@@ -86,6 +90,7 @@ def field_key(cfg: DataConfig, column: str) -> str:
         "prompt",
         "completion",
         "messages",
+        "tools",
         "text",
         "chosen",
         "rejected",
@@ -126,7 +131,7 @@ def render_row(cfg: DataConfig, row: dict[str, Any], tokenizer: Any) -> Rendered
     if f == DataFormat.guanaco:
         return render_guanaco(_text(row, cfg.text_field))
     messages = _messages(row, cfg)
-    return render_chat(messages, tokenizer)
+    return render_chat(messages, tokenizer, _tools(row, cfg), cfg.tools_field)
 
 
 def _non_empty(text: str, column: str) -> None:
@@ -162,7 +167,7 @@ def render_guanaco(text: str) -> Rendered:
     return Rendered(texts[: last + 1], response[: last + 1])
 
 
-def _messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
+def _messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, Any]]:
     raw = row.get(cfg.messages_field)
     if raw is None:
         raise BadRow(f"missing '{cfg.messages_field}'")
@@ -175,19 +180,67 @@ def _messages(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, str]]:
         if not isinstance(m, dict) or role_key not in m or content_key not in m:
             raise BadRow(f"message {j} lacks '{role_key}' / '{content_key}'")
         role, content = m[role_key], m[content_key]
+        calls = None if sharegpt else m.get("tool_calls")
+        if content is None and calls:  # an assistant turn that only calls tools has no text
+            content = ""
         if not isinstance(content, str) or not isinstance(role, str):
             raise BadRow(f"message {j}: '{content_key}' and '{role_key}' must be strings")
         role = SHAREGPT_ROLES.get(role.lower(), role) if sharegpt else role
-        if role not in CHAT_ROLES:
-            raise BadRow(f"message {j} has role '{m[role_key]}' (expected one of {', '.join(CHAT_ROLES)})")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        roles = CHAT_ROLES if sharegpt else (*CHAT_ROLES, TOOL_ROLE)
+        if role not in roles:
+            raise BadRow(f"message {j} has role '{m[role_key]}' (expected one of {', '.join(roles)})")
+        message: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            if role != "assistant":
+                raise BadRow(f"message {j}: only assistant messages make tool_calls (this one is '{role}')")
+            message["tool_calls"] = [_tool_call(c, j) for c in calls]
+        if role == TOOL_ROLE:  # templates that name the answering function read these
+            message.update({k: m[k] for k in ("name", "tool_call_id") if m.get(k) is not None})
+        messages.append(message)
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         raise BadRow("no assistant message: nothing to learn")
     return messages
 
 
-def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> Rendered:
-    """Render with the tokenizer's chat template, marking every assistant turn as response.
+def _tool_call(call: Any, j: int) -> dict[str, Any]:
+    """One OpenAI-style call ({"type": "function", "function": {"name", "arguments"}}) with its arguments as an
+    object: OpenAI writes them as a JSON string, chat templates (transformers' convention) read a mapping."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRow(f"message {j}: a tool call lacks 'function': {{'name', 'arguments'}}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise BadRow(f"message {j}: the arguments of call '{function['name']}' are not JSON ({e})") from e
+    return {"type": "function", "function": {"name": function["name"], "arguments": _without_nulls(arguments or {})}}
+
+
+def _without_nulls(value: Any) -> Any:
+    """Drop null members: `datasets` reads JSON objects of one column as one struct type, so a key present in some
+    rows' tools or arguments appears as null in all the others, which no row wrote."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _tools(row: dict[str, Any], cfg: DataConfig) -> list[dict[str, Any]] | None:
+    tools = row.get(cfg.tools_field) if cfg.format == DataFormat.chat else None
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow(f"'{cfg.tools_field}' is not a list of function declarations")
+    return _without_nulls(tools) or None
+
+
+def render_chat(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None, tools_key: str = "tools"
+) -> Rendered:
+    """Render with the tokenizer's chat template, marking every assistant turn (its text and its tool calls) as
+    response; tool results, like user and system turns, are prompt.
 
     The template is applied to growing prefixes of the conversation; the text each assistant message adds after
     the generation prompt is its response (for Gemma: the content and `<end_of_turn>`). This works for any
@@ -196,11 +249,18 @@ def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> Rendered:
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise BadRow("the tokenizer has no chat template (use format=alpaca or prompt_completion)")
+    if tools or any(m["role"] == TOOL_ROLE or m.get("tool_calls") for m in messages):
+        if problem := tool_template_problem(tokenizer.chat_template, tokenizer):
+            raise ConfigError(
+                f"the data has tool calls ('{tools_key}', assistant 'tool_calls' or 'tool' messages) but {problem}. "
+                "Train with a tokenizer whose chat template renders tools (declarations, calls and results; the "
+                "built-in tiny model's does), or leave those rows out of data.path"
+            )
     # Gemma's template rejects the system role; fold it into the first user message, as Google's docs advise.
     if messages[0]["role"] == "system" and len(messages) > 1 and messages[1]["role"] == "user":
         try:
-            _apply(tokenizer, messages[:2], False)
-        except Exception:
+            _apply(tokenizer, messages[:2], False, tools)
+        except BadRow:
             merged = {"role": "user", "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
             messages = [merged] + messages[2:]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -209,8 +269,8 @@ def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> Rendered:
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _apply(tokenizer, messages[:i], True)
-        full = _apply(tokenizer, messages[: i + 1], False)
+        prompt = _apply(tokenizer, messages[:i], True, tools)
+        full = _apply(tokenizer, messages[: i + 1], False, tools)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise BadRow("the chat template does not render a conversation prefix as a text prefix; cannot mask it")
         answer = full[len(prompt) :]
@@ -221,8 +281,42 @@ def render_chat(messages: list[dict[str, str]], tokenizer: Any) -> Rendered:
     return Rendered(texts, response, add_eos=False)
 
 
-def _apply(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+# A conversation that uses every part of tool calling, with names no template writes by itself: a template that
+# renders tools writes each of them; one that drops any (Gemma's own templates have no tools, no tool_calls and no
+# tool role) would leave calls unlearnt or results unseen without a word.
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_declared_fn", "parameters": {"type": "object"}}}]
+PROBE_CALL = {"type": "function", "function": {"name": "probe_called_fn", "arguments": {"x": 1}}}
+PROBE = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
+    {"role": "tool", "content": "probe_result_text"},
+    {"role": "assistant", "content": "a"},
+]
+
+
+@functools.lru_cache(maxsize=8)
+def tool_template_problem(template: str, tokenizer: Any) -> str | None:
+    """What the chat template fails to render of a tool conversation (None: it renders declarations, calls and
+    results). Cached per template: every row of a source asks."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(PROBE, tools=PROBE_TOOLS, tokenize=False)
+    except Exception as e:  # jinja raises its own types for unsupported roles
+        return f"the tokenizer's chat template rejects them ({type(e).__name__}: {e})"
+    parts = {
+        "the declarations": "probe_declared_fn",
+        "the calls": "probe_called_fn",
+        "the results": "probe_result_text",
+    }
+    dropped = [what for what, marker in parts.items() if marker not in text]
+    return f"the tokenizer's chat template drops {', '.join(dropped)}" if dropped else None
+
+
+def _apply(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None = None
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as e:  # jinja raises TemplateError / its own exceptions for unsupported conversations
         raise BadRow(f"the chat template rejected the conversation ({type(e).__name__}: {e})") from e

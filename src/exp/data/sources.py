@@ -21,6 +21,10 @@ from exp.data.synthetic import generate_examples
 
 log = logging.getLogger(__name__)
 
+# Above this much data read up front, the log points at data.streaming: every encoded example is held in memory (as
+# Python lists) before training starts.
+STREAM_HINT_BYTES = 2 * 10**9
+
 
 @dataclass
 class Source:
@@ -46,6 +50,13 @@ def read_source(cfg: DataConfig, path: str | None, key: str) -> Source:
         return Source(datasets.Dataset.from_list(rows), "synthetic", digest)
     if path:
         files = list_files(path, key)
+        if (size := sum(f.stat().st_size for f in files)) > STREAM_HINT_BYTES:
+            log.warning(
+                "data: %s holds %.1f GB, all of it tokenised into memory before training; data.streaming=true reads "
+                "it as a stream in flat memory (docs/data.md, Streaming)",
+                path,
+                size / 1e9,
+            )
         ds = _read_files(files, path, key)
         stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
         return Source(ds, path, hashlib.sha256(json.dumps(stamp).encode()).hexdigest())

@@ -25,16 +25,32 @@ log = logging.getLogger(__name__)
 # Gemma's special-token ids (pad 0, eos 1, bos 2, unk 3); the turn markers follow.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 TOKENIZER_VOCAB = 512
-# Gemma's chat template (user / model turns); `model` is Gemma's name for the assistant role.
+# Gemma's chat template (user / model turns); `model` is Gemma's name for the assistant role. Gemma has no tool role:
+# tool use is written as text, as Gemma's function-calling guide does, in the tags of the widely used Hermes
+# convention: the function declarations (`tools`, JSON) open the first turn inside <tools>, a model turn's calls
+# follow its text as <tool_call>{"name", "arguments"}</tool_call>, and a tool's result comes back in a user turn
+# inside <tool_response>. Conversations without tools render as they always did.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% elif message['role'] == 'tool' %}{% set role = 'user' %}"
     "{% else %}{% set role = message['role'] %}{% endif %}"
-    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if loop.first and tools %}{{ 'You can call these functions:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson + '\n' }}{% endfor %}"
+    "{{ '</tools>\n\n' }}{% endif %}"
+    "{% set content = (message['content'] or '') | trim %}"
+    "{% if message['role'] == 'tool' %}{{ '<tool_response>\n' + content + '\n</tool_response>' }}"
+    "{% else %}{{ content }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call.function if call.function is defined else call %}"
+    "{{ ('\n' if content or not loop.first else '') + '<tool_call>\n' }}"
+    "{{ {'name': f.name, 'arguments': f.arguments} | tojson + '\n</tool_call>' }}{% endfor %}"
+    "{{ '<end_of_turn>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 # Bump when the way checkpoints are built changes, so stale cache entries are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 3
 
 
 def build_tokenizer(out_dir: Path):

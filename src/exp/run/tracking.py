@@ -208,6 +208,12 @@ def data_fingerprint(data_cfg: Any) -> str:
 
     if getattr(data_cfg, "path", None) and Path(data_cfg.path).exists():
         return "sha256:" + _sha256_files(_files(Path(data_cfg.path)))
+    if getattr(data_cfg, "mixture", None):  # every source's files (a hub source: its id and split)
+        parts = [
+            _sha256_files(_files(Path(s.path))) if s.path and Path(s.path).exists() else f"{s.hub_id}:{s.split}"
+            for s in data_cfg.mixture
+        ]
+        return "mixture:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     key = json.dumps({"format": str(data_cfg.format.value), "n": data_cfg.num_examples, "seed": data_cfg.seed})
     return "generated:" + hashlib.sha256(key.encode()).hexdigest()
 

@@ -169,7 +169,10 @@ def _summary(module, trainer, datamodule, result: TrainResult, resume: dict | No
         "world_size": trainer.world_size,
         "replica_adapter_checksums": gathered["replica_adapter_checksums"],
         "placement_per_rank": gathered["placement_per_rank"],
-        "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3),
+        # A stream's length is unknown (data.streaming): no epoch count.
+        "epochs": round(module.batches_seen * trainer.world_size / datamodule.batches_per_epoch, 3)
+        if datamodule.batches_per_epoch
+        else None,
         "skipped_steps": module.skipped_steps,
         "resumed_from": resume,
         "data": datamodule.stats,
