@@ -125,9 +125,12 @@ class LengthGrouping(str, Enum):
 
 
 class LoggerKind(str, Enum):
+    """The trackers a run can record to (each a `logger.<name>` switch, and a conf/logger option)."""
+
     wandb = "wandb"
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
     csv = "csv"
-    none = "none"
 
 
 class WandbMode(str, Enum):
@@ -374,16 +377,31 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment tracking. A CSV of every logged metric is written for `wandb` and `csv`."""
+    """Experiment tracking: one switch per tracker, so that `logger=[wandb,tensorboard]` (Hydra's selection of
+    several options of a group, each switching its own on) records to both. csv/metrics.csv is written whenever any
+    is on; none on is `logger=none`."""
 
-    kind: LoggerKind = LoggerKind.wandb
+    wandb: bool = False
+    tensorboard: bool = False  # <run>/tensorboard (Lightning's TensorBoardLogger)
+    mlflow: bool = False  # an MLflow run in the store `tracking_uri` names
+    csv: bool = False  # metrics.csv alone
+    # W&B's project, and MLflow's experiment.
     project: str = "exp"
     run_name: str | None = None  # default: <experiment>-<model>-<run dir>; a sweep job: its overrides
     entity: str | None = None
     mode: WandbMode = WandbMode.auto
     group: str | None = None
     tags: list[str] = field(default_factory=list)
-    log_adapter: bool = False  # upload the final adapter as a W&B artifact
+    log_adapter: bool = False  # upload the final adapter as a W&B / MLflow artifact
+    # MLflow's store: a URI (file:, sqlite:, http(s)://) or a directory (relative: to where the run was launched);
+    # null: a file store in the run directory (<run>/mlruns), no server.
+    tracking_uri: str | None = None
+
+    @property
+    def trackers(self) -> list[LoggerKind]:
+        """The trackers switched on, csv/metrics.csv included whenever any is."""
+        on = [kind for kind in LoggerKind if kind != LoggerKind.csv and getattr(self, kind.value)]
+        return [*on, LoggerKind.csv] if on or self.csv else []
 
 
 @dataclass
@@ -693,7 +711,9 @@ def library_range_problems(cfg: TrainConfig) -> list[str]:
     ):
         if not 0 <= seed <= MAX_SEED:
             p.append(f"{key}={seed}: a seed must be in [0, 2**32 - 1] (numpy's range), e.g. {key}=0")
-    if lg.kind == LoggerKind.wandb:
+    if lg.mlflow and not lg.project.strip():
+        p.append(f"logger.project={lg.project!r}: the MLflow experiment's name must not be empty, e.g. logger.project=exp")
+    if lg.wandb:
         bad = sorted(set(lg.project) & set(WANDB_PROJECT_FORBIDDEN))
         if not lg.project or len(lg.project) > 128 or bad:
             p.append(
@@ -883,6 +903,9 @@ def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
             holder.path = str((launch_dir / holder.path).resolve())
     if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().is_absolute():
         cfg.data.val_path = str((launch_dir / cfg.data.val_path).resolve())
+    uri = cfg.logger.tracking_uri
+    if uri and ":" not in uri and not Path(uri).expanduser().is_absolute():  # a directory, not a URI
+        cfg.logger.tracking_uri = str((launch_dir / uri).resolve())
     if cfg.model.path and (problem := model_path_problem(cfg.model.path)):
         raise ConfigError(problem)
     return cfg
