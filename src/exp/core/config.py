@@ -712,7 +712,9 @@ def library_range_problems(cfg: TrainConfig) -> list[str]:
         if not 0 <= seed <= MAX_SEED:
             p.append(f"{key}={seed}: a seed must be in [0, 2**32 - 1] (numpy's range), e.g. {key}=0")
     if lg.mlflow and not lg.project.strip():
-        p.append(f"logger.project={lg.project!r}: the MLflow experiment's name must not be empty, e.g. logger.project=exp")
+        p.append(
+            f"logger.project={lg.project!r}: the MLflow experiment's name must not be empty, e.g. logger.project=exp"
+        )
     if lg.wandb:
         bad = sorted(set(lg.project) & set(WANDB_PROJECT_FORBIDDEN))
         if not lg.project or len(lg.project) > 128 or bad:

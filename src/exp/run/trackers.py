@@ -136,9 +136,10 @@ def build_mlflow(
     experiment: str | None,
     tracking_ids: dict[str, str],
     steps_done: Any,
+    resumed_at: int | None,
 ) -> StepMLFlowLogger:
-    """MLflow's logger: a new run in experiment `logger.project`, named `run_name`, or the continued run in its own
-    store. `tracking_ids` gains the run's id and store."""
+    """MLflow's logger: a new run in experiment `logger.project`, named `run_name`, or the continued run (from step
+    `resumed_at`) in its own store. `tracking_ids` gains the run's id and store."""
     # MLflow 3 reports usage to its servers from a background thread unless told not to: no network from a run.
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # MLflow 3 keeps file stores in maintenance and refuses them unless allowed: a file store needs no server and
@@ -162,7 +163,7 @@ def build_mlflow(
         run_id=run_id,
     )
     logger.steps_done = steps_done
-    _start_mlflow(logger, config, continued=run_id is not None)
+    _start_mlflow(logger, config, run_id is not None, resumed_at or 0)
     if logger.run_id is not None:  # rank zero: the run exists now
         tracking_ids.update({LoggerKind.mlflow.value: logger.run_id, "mlflow_uri": uri})
         log.info("MLflow: run %s in %s", logger.run_id, uri)
@@ -180,11 +181,12 @@ def _experiment(uri: str, name: str) -> None:
 
 
 @rank_zero_only
-def _start_mlflow(logger: StepMLFlowLogger, config: dict[str, Any], continued: bool) -> None:
+def _start_mlflow(logger: StepMLFlowLogger, config: dict[str, Any], continued: bool, resumed_at: int) -> None:
     """The config as params (flattened, redacted) and as the artifact config.yaml. MLflow's params are written
-    once: a continued run adds the keys it lacks and keeps the first values (the continuation's config.yaml
-    artifact and its run directory's config.yaml hold the new ones, such as trainer.resume)."""
+    once: a continued run adds the keys it lacks, keeps the first values, and logs its own config as
+    config-step-<N>.yaml (N: the step it continued from; trainer.resume or a longer trainer.max_steps differ)."""
     client, params = logger.experiment, flat_config(config)
+    name = "config.yaml"
     if continued:
         client.update_run(logger.run_id, status="RUNNING")
         kept = client.get_run(logger.run_id).data.params
@@ -192,8 +194,9 @@ def _start_mlflow(logger: StepMLFlowLogger, config: dict[str, Any], continued: b
         if changed:
             log.info("MLflow: the continued run keeps the first values of %s", ", ".join(changed))
         params = {k: v for k, v in params.items() if k not in kept}
+        name = f"config-step-{resumed_at}.yaml"
     logger.log_hyperparams(params)
-    client.log_text(logger.run_id, config_text(config), "config.yaml")
+    client.log_text(logger.run_id, config_text(config), name)
 
 
 def finish(logger: Any, ok: bool, preempted: bool) -> None:

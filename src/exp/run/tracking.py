@@ -123,7 +123,9 @@ def build_loggers(
     if cfg.tensorboard:
         loggers.append(trackers.build_tensorboard(output_dir, config, ids, steps_done, resumed_at))
     if cfg.mlflow:
-        loggers.append(trackers.build_mlflow(cfg, output_dir, run_name, config, experiment, ids, steps_done))
+        loggers.append(
+            trackers.build_mlflow(cfg, output_dir, run_name, config, experiment, ids, steps_done, resumed_at)
+        )
     return loggers
 
 
