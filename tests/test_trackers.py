@@ -155,7 +155,7 @@ def test_a_continued_run_goes_on_in_the_same_tracker_runs(tracked):
 def build(tmp_path: Path, config: dict, tracking_ids: dict | None = None, resumed_at: int | None = None, **on):
     from exp.run.tracking import build_loggers
 
-    cfg = LoggerConfig(**on, tags=["ablation"], group="g1")
+    cfg = LoggerConfig(**{"wandb": False, **on}, tags=["ablation"], group="g1")
     return build_loggers(cfg, tmp_path, "run-a", config, "exp1", tracking_ids, resumed_at=resumed_at)
 
 
@@ -254,7 +254,7 @@ def test_a_tracker_that_is_not_installed_is_refused_before_the_run(tmp_path, mon
 def test_an_mlflow_server_that_does_not_answer_is_refused_at_once(tmp_path):
     from exp.run.tracking import build_loggers
 
-    cfg = LoggerConfig(mlflow=True, tracking_uri="http://127.0.0.1:9")  # the discard port: nothing listens
+    cfg = LoggerConfig(wandb=False, mlflow=True, tracking_uri="http://127.0.0.1:9")  # the discard port: nothing listens
     with pytest.raises(ConfigError, match="logger.tracking_uri=http://127.0.0.1:9: the MLflow server does not"):
         build_loggers(cfg, tmp_path, "run", {})
 

@@ -379,9 +379,9 @@ class TrainerConfig:
 class LoggerConfig:
     """Experiment tracking: one switch per tracker, so that `logger=[wandb,tensorboard]` (Hydra's selection of
     several options of a group, each switching its own on) records to both. csv/metrics.csv is written whenever any
-    is on; none on is `logger=none`."""
+    is on; none on is `logger=none`. W&B is the default run's tracker (conf/train.yaml's `logger: wandb`)."""
 
-    wandb: bool = False
+    wandb: bool = True
     tensorboard: bool = False  # <run>/tensorboard (Lightning's TensorBoardLogger)
     mlflow: bool = False  # an MLflow run in the store `tracking_uri` names
     csv: bool = False  # metrics.csv alone
@@ -861,10 +861,19 @@ def objective_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+def schema_node() -> TrainConfig:
+    """The node conf/ composes onto: the defaults, with no tracker on. The trackers are chosen in the defaults list
+    (conf/train.yaml's `logger: wandb`): each option of the logger group switches its own on, so that several
+    options (`logger=[wandb,tensorboard]`) add up and one (`logger=tensorboard`) is that one alone."""
+    node = TrainConfig()
+    node.logger.wandb = False
+    return node
+
+
 def register_configs() -> None:
     """Register the root schema; the YAML files under conf/ are validated against it at composition."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=schema_node())
 
 
 __all__ = [
@@ -894,6 +903,7 @@ __all__ = [
     "TrainerConfig",
     "WandbMode",
     "register_configs",
+    "schema_node",
 ]
 
 
