@@ -88,7 +88,7 @@ def build_tensorboard(
     if continued and not log_dir.parent.is_dir():
         log.warning("TensorBoard: the continued run's directory %s is gone; logging to a new run", log_dir.parent)
         log_dir, continued = output_dir / TENSORBOARD_DIR, False
-    tracking_ids[LoggerKind.tensorboard.value] = str(log_dir)
+    tracking_ids[LoggerKind.tensorboard.value] = str(log_dir.resolve())  # a continuation may start elsewhere
     purge = {"purge_step": resumed_at + 1} if continued and resumed_at is not None else {}
     logger = StepTensorBoardLogger(
         save_dir=str(log_dir.parent), name="", version=log_dir.name, default_hp_metric=False, **purge
