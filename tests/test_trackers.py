@@ -242,6 +242,17 @@ def test_a_continued_run_whose_store_is_gone_starts_new_tracker_runs(tmp_path, c
     assert not (tmp_path / "moved").exists()
 
 
+def test_runs_share_the_mlflow_store_logger_tracking_uri_names(tmp_path):
+    """One store for many runs (a sweep's jobs in one `mlflow ui`): one experiment, a run each."""
+    from exp.run.tracking import finish_loggers
+
+    shared = tmp_path / "shared"
+    for name in ("a", "b"):
+        finish_loggers(build(tmp_path / name, {"lora": {"r": 8}}, mlflow=True, tracking_uri=str(shared)), ok=True)
+    _, runs = mlflow_runs(shared)
+    assert len(runs) == 2 and not (tmp_path / "a" / "mlruns").exists()
+
+
 def test_a_tracker_that_is_not_installed_is_refused_before_the_run(tmp_path, monkeypatch):
     from exp.run import trackers
 

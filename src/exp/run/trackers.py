@@ -173,11 +173,16 @@ def build_mlflow(
 @rank_zero_only
 def _experiment(uri: str, name: str) -> None:
     """Create the experiment where it is new (Lightning would, with a warning at every run into a new store)."""
-    from mlflow.tracking import MlflowClient  # the mlflow package: only with logger.mlflow
+    from mlflow.exceptions import MlflowException  # the mlflow package: only with logger.mlflow
+    from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     if client.get_experiment_by_name(name) is None:
-        client.create_experiment(name)
+        try:
+            client.create_experiment(name)
+        except MlflowException:
+            if client.get_experiment_by_name(name) is None:  # else another job of a sweep made it first
+                raise
 
 
 @rank_zero_only

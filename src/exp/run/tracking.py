@@ -139,7 +139,8 @@ def _wandb(
     beside_others: bool,
 ) -> list:
     """W&B's logger (none without the wandb package), under the run id `tracking_ids` holds or a new one."""
-    run_id = tracking_ids.setdefault(LoggerKind.wandb.value, new_wandb_run_id())  # also without wandb: see there
+    # Chosen even without wandb: the run, resumed where wandb is installed, still gets one W&B run.
+    run_id = tracking_ids.setdefault(LoggerKind.wandb.value, new_wandb_run_id())
     if not wandb_installed():
         # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
         # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
@@ -216,6 +217,21 @@ def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> Non
             log_adapter(logger, adapter_dir)
 
 
+# The packages whose versions manifest.json records (null: not installed).
+MANIFEST_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "lightning",
+    "hydra-core",
+    "datasets",
+    "wandb",
+    "tensorboard",
+    "mlflow-skinny",
+)
+
+
 def _git_state(path: Path) -> dict[str, Any]:
     import subprocess
 
@@ -268,8 +284,7 @@ def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
     import torch
 
     packages = {}
-    names = ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core", "datasets", "wandb")
-    for name in (*names, "tensorboard", "mlflow-skinny"):
+    for name in MANIFEST_PACKAGES:
         try:
             packages[name] = md.version(name)
         except md.PackageNotFoundError:
