@@ -191,8 +191,8 @@ def test_hardware_cpu():
 
 def test_data_logger_trainer_options():
     assert typed(["data=alpaca", "data.path=x.jsonl"]).data.format is DataFormat.alpaca
-    assert typed(["logger=csv"]).logger.kind is LoggerKind.csv
-    assert typed(["logger=none"]).logger.kind is LoggerKind.none
+    assert typed(["logger=csv"]).logger.trackers == [LoggerKind.csv]
+    assert typed(["logger=none"]).logger.trackers == []
     assert typed(["trainer=default"]).trainer.max_steps == 1000
     assert typed(["trainer=tiny"]).trainer.max_steps == 3000
 

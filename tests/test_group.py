@@ -343,13 +343,13 @@ def test_the_gpu_configuration_on_the_cpu_groups_as_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_each_job_of_a_group_has_its_own_wandb_run(tmp_path, monkeypatch):
-    """W&B (offline without credentials, the default logger): one run per job, in the job's own directory, several
-    open at once in the group's process."""
+def test_each_job_of_a_group_has_its_own_tracker_runs(tmp_path, monkeypatch):
+    """W&B (offline without credentials, the default logger), TensorBoard and MLflow: one run per job, in the job's
+    own directory, several open at once in the group's process, each with its job's metrics."""
     for k in [k for k in os.environ if k.startswith("WANDB")]:
         monkeypatch.delenv(k)
     jobs = [["lora.r=2"], ["lora.r=4", "trainer.seed=1"]]
-    common = [o for o in COMMON if o != "logger=csv"]
+    common = [o for o in COMMON if o != "logger=csv"] + ["logger=[wandb,tensorboard,mlflow]"]
     dirs = []
     for i, job in enumerate(jobs):
         run_dir = claim_run_dir(tmp_path / f"job{i}")
@@ -363,6 +363,17 @@ def test_each_job_of_a_group_has_its_own_wandb_run(tmp_path, monkeypatch):
     runs = [sorted(p.name for p in (d / "wandb").glob("offline-run-*")) for d in dirs]
     assert all(len(r) == 1 for r in runs), runs
     assert runs[0][0].rsplit("-", 1)[1] != runs[1][0].rsplit("-", 1)[1]  # two W&B run ids
+    from test_trackers import csv_metrics, mlflow_metrics, mlflow_runs, tensorboard_metrics
+
+    for d, job in zip(dirs, jobs, strict=True):
+        expected = csv_metrics(d)
+        client, [run] = mlflow_runs(d / "mlruns")
+        assert run.info.status == "FINISHED" and f"lora.r={run.data.params['lora.r']}" == job[0]
+        assert {k: dict(v) for k, v in mlflow_metrics(client, run.info.run_id).items()} == expected
+        tb = tensorboard_metrics(d / "tensorboard")
+        assert set(tb) == set(expected)
+        for name, points in expected.items():
+            assert tb[name] == pytest.approx(points, rel=1e-6), name
 
 
 def test_plan_reads_each_jobs_seed_interpolation_unresolved():

@@ -106,16 +106,22 @@ def killed_then_resumed(cwd: Path):
     return cwd, killed, before, cli(cwd, *RUN, "logger=csv", "trainer.resume=auto", "hydra.run.dir=resumed")
 
 
+TRACKERS = "logger=[wandb,tensorboard,mlflow]"
+
+
 def stopped_then_resumed(cwd: Path):
-    """SIGTERM after step 20 under W&B, then `trainer.resume=auto`; the stopped run's status, last checkpoint step
-    and whether it has an adapter, read before the resume."""
-    stopped = interrupted(cwd, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, "logger=wandb")
+    """SIGTERM after step 20 under W&B, TensorBoard and MLflow, then `trainer.resume=auto`; the stopped run's
+    status, last checkpoint step, whether it has an adapter and its MLflow run's status, read before the resume."""
+    from test_trackers import mlflow_runs
+
+    stopped = interrupted(cwd, "first", signal.SIGTERM, "step-000020.ckpt", *RUN, TRACKERS)
     if stopped.returncode != REQUEUE_EXIT:
         return cwd, stopped, None, None
     status = json.loads((cwd / "first" / "status.json").read_text())
     step = torch.load(cwd / "first" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    state = (status, step, (cwd / "first" / "adapter").exists())
-    return cwd, stopped, state, cli(cwd, *RUN, "logger=wandb", "trainer.resume=auto", "hydra.run.dir=second")
+    [mlflow_run] = mlflow_runs(cwd / "first" / "mlruns")[1]
+    state = (status, step, (cwd / "first" / "adapter").exists(), mlflow_run.info.status)
+    return cwd, stopped, state, cli(cwd, *RUN, TRACKERS, "trainer.resume=auto", "hydra.run.dir=second")
 
 
 def warned_by_sigusr1(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
@@ -184,8 +190,8 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
     tmp_path, stopped, state, resumed = runs.get("stopped")
     assert stopped.returncode == REQUEUE_EXIT, stopped.stderr[-3000:]
     assert "trainer.resume=auto" in stopped.stderr and "Traceback" not in stopped.stderr
-    status, last_step, has_adapter = state
-    assert status["status"] == "preempted"
+    status, last_step, has_adapter, mlflow_status = state
+    assert status["status"] == "preempted" and mlflow_status == "KILLED"
     assert 20 <= last_step < 60 and f"step {last_step}" in status["error"]
     assert not has_adapter  # an unfinished run has no "final" adapter
 
@@ -204,6 +210,16 @@ def test_sigterm_checkpoints_exits_for_requeue_and_resumes_under_the_same_wandb_
         p.name.rsplit("-", 1)[-1] for d in ("first", "second") for p in (tmp_path / d / "wandb").glob("offline-run-*")
     }
     assert len(ids) == 1
+    # So do the TensorBoard and MLflow runs, in the first directory: every step once, the continuation's values.
+    from test_trackers import csv_metrics, mlflow_metrics, mlflow_runs, tensorboard_metrics
+
+    assert not (tmp_path / "second" / "mlruns").exists() and not (tmp_path / "second" / "tensorboard").exists()
+    expected = {**csv_metrics(tmp_path / "first")["train/loss"], **csv_metrics(tmp_path / "second")["train/loss"]}
+    client, [run] = mlflow_runs(tmp_path / "first" / "mlruns")
+    assert run.info.status == "FINISHED" and mlflow_metrics(client, run.info.run_id)["train/loss"] == sorted(
+        expected.items()
+    )
+    assert tensorboard_metrics(tmp_path / "first" / "tensorboard")["train/loss"] == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ RUN = [
     "trainer.val_every_n_steps=5",
     "trainer.checkpoint_every_n_steps=5",
     "data.num_examples=200",
-    "logger=wandb",
+    "logger=[wandb,tensorboard,mlflow]",  # every tracker's files are searched
 ]
 
 
@@ -131,8 +131,11 @@ def test_no_secret_reaches_any_file_the_run_writes(secret_run):
         assert expected in names, expected
     for expected in ("samples.txt", "metrics.csv", "last.ckpt", "adapter_model.safetensors", "train.log"):
         assert expected in names, expected
-    wandb_log = next(p for p in files if p.suffix == ".wandb")
+    wandb_log = next(
+        p for p in files if p.suffix == ".wandb" and p.name.startswith("run-")
+    )  # not MLflow's logger.wandb
     assert any(p.name == "debug.log" for p in files) and any(p.name == "output.log" for p in files)
+    assert any("tfevents" in p.name for p in files) and any(p.parent.name == "params" for p in files)
     # W&B records the command line: the scan would see a secret typed there.
     assert b"trainer.max_steps=5" in wandb_log.read_bytes()
     secrets = [*ENV_SECRETS.values(), *OVERRIDE_SECRETS.values()]

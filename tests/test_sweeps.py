@@ -68,8 +68,9 @@ def sweep_and_relaunch(cwd: Path):
 
 
 def isolated_jobs(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """Two identical jobs in one sweep, W&B on."""
-    return cwd, exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], "logger=wandb", "hydra.sweep.dir=iso"], cwd)
+    """Two identical jobs in one sweep, W&B, TensorBoard and MLflow on."""
+    trackers = "logger=[wandb,tensorboard,mlflow]"
+    return cwd, exp(["exp.train", "-m", "trainer.seed=0,0", *FAST[:-1], trackers, "hydra.sweep.dir=iso"], cwd)
 
 
 OPTUNA = ["exp.train", "-m", "--config-dir", str(ROOT / "sweeps"), "--config-name", "optuna_lr_rank"]
@@ -260,6 +261,17 @@ def test_jobs_are_isolated(launches):
     assert a["final_val"] == b["final_val"] and a["initial_val"] == b["initial_val"]
     runs = [next((p.parent / "wandb").glob("offline-run-*")).name for p in jobs]
     assert runs[0] != runs[1]  # each job its own W&B run
+    # ... its own TensorBoard events and MLflow store, in its run directory, with the same final loss as its CSV.
+    from test_trackers import csv_metrics, mlflow_metrics, mlflow_runs, tensorboard_metrics
+
+    mlflow_ids = []
+    for job in (p.parent for p in jobs):
+        final = csv_metrics(job)["val/loss"][3]
+        assert tensorboard_metrics(job / "tensorboard")["val/loss"][3] == pytest.approx(final, rel=1e-6)
+        client, [run] = mlflow_runs(job / "mlruns")
+        assert dict(mlflow_metrics(client, run.info.run_id)["val/loss"])[3] == final
+        mlflow_ids.append(run.info.run_id)
+    assert mlflow_ids[0] != mlflow_ids[1]
     first_log = (jobs[0].parent / "train.log").read_text()
     assert str(jobs[1].parent) not in first_log
 

@@ -130,7 +130,7 @@ def test_offline_run_records_the_resolved_config(offline_run):
     assert config["model"]["name"] == "gemma_tiny"
     assert config["lora"]["r"] == 8 and config["lora"]["target_modules"] == ["q_proj", "v_proj"]
     assert config["trainer"]["max_steps"] == 5  # the override, not the default
-    assert config["logger"]["kind"] == "wandb" and config["logger"]["mode"] == "auto"
+    assert config["logger"]["wandb"] is True and config["logger"]["mode"] == "auto"
     # The same resolved config the run dir's config.yaml holds.
     from omegaconf import OmegaConf
 
@@ -296,10 +296,11 @@ def test_without_the_wandb_package_metrics_still_go_to_csv(tmp_path, monkeypatch
 
     monkeypatch.setattr(tracking, "wandb_installed", lambda: False)
     with caplog.at_level("WARNING", logger="exp.run.tracking"):
-        loggers = tracking.build_loggers(LoggerConfig(), tmp_path, "run", {})
+        ids: dict = {}
+        loggers = tracking.build_loggers(LoggerConfig(wandb=True), tmp_path, "run", {}, tracking_ids=ids)
     assert [type(lg).__name__ for lg in loggers] == ["AtomicCSVLogger"]
     assert "wandb package is not installed" in caplog.text and "pip install wandb" in caplog.text
-    run_id = tracking.new_wandb_run_id()
+    run_id = ids["wandb"]  # still chosen: the run resumed where wandb is installed gets one W&B run
     assert len(run_id) == 8 and run_id.isalnum() and run_id == run_id.lower()
     with pytest.raises(ConfigError, match="logger.mode=online: the wandb package is not installed"):
-        tracking.build_loggers(LoggerConfig(mode=WandbMode.online), tmp_path, "run", {})
+        tracking.build_loggers(LoggerConfig(wandb=True, mode=WandbMode.online), tmp_path, "run", {})

@@ -153,9 +153,12 @@ class LengthGrouping(str, Enum):
 
 
 class LoggerKind(str, Enum):
+    """The trackers a run can record to (each a `logger.<name>` switch, and a conf/logger option)."""
+
     wandb = "wandb"
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
     csv = "csv"
-    none = "none"
 
 
 class WandbMode(str, Enum):
@@ -471,16 +474,31 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment tracking. A CSV of every logged metric is written for `wandb` and `csv`."""
+    """Experiment tracking: one switch per tracker, so that `logger=[wandb,tensorboard]` (Hydra's selection of
+    several options of a group, each switching its own on) records to both. csv/metrics.csv is written whenever any
+    is on; none on is `logger=none`. W&B is the default run's tracker (conf/train.yaml's `logger: wandb`)."""
 
-    kind: LoggerKind = LoggerKind.wandb
+    wandb: bool = True
+    tensorboard: bool = False  # <run>/tensorboard (Lightning's TensorBoardLogger)
+    mlflow: bool = False  # an MLflow run in the store `tracking_uri` names
+    csv: bool = False  # metrics.csv alone
+    # W&B's project, and MLflow's experiment.
     project: str = "exp"
     run_name: str | None = None  # default: <experiment>-<model>-<run dir>; a sweep job: its overrides
     entity: str | None = None
     mode: WandbMode = WandbMode.auto
     group: str | None = None
     tags: list[str] = field(default_factory=list)
-    log_adapter: bool = False  # upload the final adapter as a W&B artifact
+    log_adapter: bool = False  # upload the final adapter as a W&B / MLflow artifact
+    # MLflow's store: a URI (file:, sqlite:, http(s)://) or a directory (relative: to where the run was launched);
+    # null: a file store in the run directory (<run>/mlruns), no server.
+    tracking_uri: str | None = None
+
+    @property
+    def trackers(self) -> list[LoggerKind]:
+        """The trackers switched on, csv/metrics.csv included whenever any is."""
+        on = [kind for kind in LoggerKind if kind != LoggerKind.csv and getattr(self, kind.value)]
+        return [*on, LoggerKind.csv] if on or self.csv else []
 
 
 @dataclass
@@ -883,7 +901,11 @@ def library_range_problems(cfg: TrainConfig) -> list[str]:
     ):
         if not 0 <= seed <= MAX_SEED:
             p.append(f"{key}={seed}: a seed must be in [0, 2**32 - 1] (numpy's range), e.g. {key}=0")
-    if lg.kind == LoggerKind.wandb:
+    if lg.mlflow and not lg.project.strip():
+        p.append(
+            f"logger.project={lg.project!r}: the MLflow experiment's name must not be empty, e.g. logger.project=exp"
+        )
+    if lg.wandb:
         bad = sorted(set(lg.project) & set(WANDB_PROJECT_FORBIDDEN))
         if not lg.project or len(lg.project) > 128 or bad:
             p.append(
@@ -1115,10 +1137,19 @@ def objective_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+def schema_node() -> TrainConfig:
+    """The node conf/ composes onto: the defaults, with no tracker on. The trackers are chosen in the defaults list
+    (conf/train.yaml's `logger: wandb`): each option of the logger group switches its own on, so that several
+    options (`logger=[wandb,tensorboard]`) add up and one (`logger=tensorboard`) is that one alone."""
+    node = TrainConfig()
+    node.logger.wandb = False
+    return node
+
+
 def register_configs() -> None:
     """Register the root schema; the YAML files under conf/ are validated against it at composition."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=schema_node())
 
 
 __all__ = [
@@ -1150,6 +1181,7 @@ __all__ = [
     "TrainerConfig",
     "WandbMode",
     "register_configs",
+    "schema_node",
 ]
 
 
@@ -1164,6 +1196,9 @@ def resolve_paths(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
             value = getattr(holder, key)
             if value and not Path(value).expanduser().is_absolute():
                 setattr(holder, key, str((launch_dir / value).resolve()))
+    uri = cfg.logger.tracking_uri
+    if uri and ":" not in uri and not Path(uri).expanduser().is_absolute():  # a directory, not a URI
+        cfg.logger.tracking_uri = str((launch_dir / uri).resolve())
     if cfg.model.path and (problem := model_path_problem(cfg.model.path)):
         raise ConfigError(problem)
     return cfg

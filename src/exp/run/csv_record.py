@@ -82,16 +82,25 @@ class StepRowWriter(ExperimentWriter):
             tmp.unlink(missing_ok=True)
 
 
-class AtomicCSVLogger(CSVLogger):
+class StepNumbered:
+    """Mixed into a Lightning logger: its metrics numbered by `steps_done()` (optimiser steps completed) when given,
+    else by the step Lightning passes, and without Lightning's epoch. metrics.csv's rows are numbered so, and the
+    other trackers (exp.run.trackers) follow it: every tracker has the same metric at the same step."""
+
+    steps_done: Callable[[], int] | None = None
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        metrics = {k: v for k, v in metrics.items() if k not in DROPPED}
+        super().log_metrics(metrics, self.steps_done() if self.steps_done is not None else step)  # type: ignore[misc]
+
+
+class AtomicCSVLogger(StepNumbered, CSVLogger):
     """CSVLogger writing through StepRowWriter (Lightning builds its writer in this property), its rows numbered by
-    `steps_done()` (optimiser steps completed) when given, else by the step Lightning passes."""
+    optimiser steps (StepNumbered)."""
 
     def __init__(self, *args: Any, steps_done: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.steps_done = steps_done
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        super().log_metrics(metrics, self.steps_done() if self.steps_done is not None else step)
 
     @property
     @rank_zero_experiment

@@ -1,4 +1,5 @@
-"""Experiment tracking: the CSV record, W&B (offline unless it can really go online), secret redaction."""
+"""Experiment tracking: the loggers a run records to (the CSV record, W&B offline unless it can really go online,
+TensorBoard and MLflow from exp.run.trackers), their redacted config, and the run's manifest."""
 
 from __future__ import annotations
 
@@ -84,24 +85,63 @@ def build_loggers(
     run_name: str,
     config: dict[str, Any],
     experiment: str | None = None,
-    wandb_run_id: str | None = None,
+    tracking_ids: dict[str, str] | None = None,
     steps_done: Callable[[], int] | None = None,
     beside_others: bool = False,
+    resumed_at: int | None = None,
 ) -> list:
-    """Lightning loggers for `logger.kind`; all files stay inside `output_dir`.
+    """Lightning loggers for the trackers `logger` switches on; their files stay inside `output_dir`, or the
+    continued run's directory (exp.run.trackers).
 
-    `wandb_run_id` names the W&B run: a resumed run passes its checkpoint's id and continues that run.
-    `steps_done`: the optimiser steps completed, which number the rows of csv/metrics.csv (exp.run.csv_record).
-    `beside_others`: this process tracks several runs at once (a group of jobs sharing one base), so each W&B run
-    is a run of its own rather than the process's one run.
+    `tracking_ids`: where this run is in each tracker, saved in every checkpoint: a resumed run passes its
+    checkpoint's, and continues those runs; a new run's ids are added to it here (W&B's, MLflow's run and store,
+    TensorBoard's directory). `resumed_at`: the step a resumed run continues from.
+    `steps_done`: the optimiser steps completed, which number the rows of csv/metrics.csv (exp.run.csv_record) and
+    the other trackers' points. `beside_others`: this process tracks several runs at once (a group of jobs sharing
+    one base), so each W&B run is a run of its own rather than the process's one run.
     """
     from exp.run.csv_record import AtomicCSVLogger  # Lightning's CSVLogger: only once a run builds its loggers
 
-    if cfg.kind == LoggerKind.none:
+    if not cfg.trackers:
         return []
+    ids = tracking_ids if tracking_ids is not None else {}
+    if cfg.tensorboard or cfg.mlflow:
+        # TensorBoard and MLflow import Lightning's loggers and their packages: only for a run that uses them.
+        from exp.run import trackers
+
+        trackers.require_packages(cfg)
+    if cfg.mlflow and cfg.tracking_uri and urlparse(cfg.tracking_uri).scheme in ("http", "https"):
+        if not _reachable(cfg.tracking_uri):  # MLflow itself retries for minutes
+            raise ConfigError(
+                f"logger.tracking_uri={cfg.tracking_uri}: the MLflow server does not answer (2 s). Start it, or "
+                "drop logger.tracking_uri for a file store in the run directory (<run>/mlruns)."
+            )
     # -> csv/metrics.csv
     loggers: list = [AtomicCSVLogger(save_dir=str(output_dir), name="", version="csv", steps_done=steps_done)]
-    if cfg.kind == LoggerKind.wandb and not wandb_installed():
+    if cfg.wandb:
+        loggers += _wandb(cfg, output_dir, run_name, config, experiment, ids, beside_others)
+    if cfg.tensorboard:
+        loggers.append(trackers.build_tensorboard(output_dir, config, ids, steps_done, resumed_at))
+    if cfg.mlflow:
+        loggers.append(
+            trackers.build_mlflow(cfg, output_dir, run_name, config, experiment, ids, steps_done, resumed_at)
+        )
+    return loggers
+
+
+def _wandb(
+    cfg: LoggerConfig,
+    output_dir: Path,
+    run_name: str,
+    config: dict[str, Any],
+    experiment: str | None,
+    tracking_ids: dict[str, str],
+    beside_others: bool,
+) -> list:
+    """W&B's logger (none without the wandb package), under the run id `tracking_ids` holds or a new one."""
+    # Chosen even without wandb: the run, resumed where wandb is installed, still gets one W&B run.
+    run_id = tracking_ids.setdefault(LoggerKind.wandb.value, new_wandb_run_id())
+    if not wandb_installed():
         # wandb is a dependency of exp, but a minimal environment (a cluster image, a GPU box without network) may
         # lack it: the run still records every metric in csv/metrics.csv, unless W&B was explicitly required.
         if cfg.mode == WandbMode.online:
@@ -114,40 +154,38 @@ def build_loggers(
             "tracking, or set logger=csv to silence this",
             RunLayout(output_dir).metrics,
         )
-        return loggers
-    if cfg.kind == LoggerKind.wandb:
-        from lightning.pytorch.loggers import WandbLogger
+        return []
+    from lightning.pytorch.loggers import WandbLogger
 
-        mode = resolve_wandb_mode(cfg)
-        os.environ.setdefault("WANDB_SILENT", "true")  # its banner would interleave with the progress bar
-        loggers.append(
-            WandbLogger(
-                project=cfg.project,
-                entity=cfg.entity,
-                name=run_name,
-                group=cfg.group,
-                # The experiment's name joins its tags, so a study's runs can be filtered by recipe.
-                tags=list(dict.fromkeys([*cfg.tags, *([experiment] if experiment else [])])) or None,
-                save_dir=str(output_dir),
-                mode=mode,
-                config=redact(config),
-                log_model=False,
-                id=wandb_run_id,
-                resume="allow" if wandb_run_id else None,
-                **({"reinit": "create_new"} if beside_others else {}),
-            )
-        )
-        # Lightning passes W&B `anonymous=None`, which wandb (0.2x on) answers with a warning at every run that the
-        # setting has no effect: nothing a user can act on. Left out, W&B's own default applies, as before.
-        getattr(loggers[-1], "_wandb_init", {}).pop("anonymous", None)
-        log.info("W&B: %s run in %s", mode, output_dir / "wandb")
-    return loggers
+    mode = resolve_wandb_mode(cfg)
+    os.environ.setdefault("WANDB_SILENT", "true")  # its banner would interleave with the progress bar
+    logger = WandbLogger(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=run_name,
+        group=cfg.group,
+        # The experiment's name joins its tags, so a study's runs can be filtered by recipe.
+        tags=list(dict.fromkeys([*cfg.tags, *([experiment] if experiment else [])])) or None,
+        save_dir=str(output_dir),
+        mode=mode,
+        config=redact(config),
+        log_model=False,
+        id=run_id,
+        resume="allow",
+        **({"reinit": "create_new"} if beside_others else {}),
+    )
+    # Lightning passes W&B `anonymous=None`, which wandb (0.2x on) answers with a warning at every run that the
+    # setting has no effect: nothing a user can act on. Left out, W&B's own default applies, as before.
+    getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+    log.info("W&B: %s run in %s", mode, output_dir / "wandb")
+    return [logger]
 
 
 def finish_loggers(loggers: list, ok: bool, preempted: bool = False) -> None:
-    """Close the W&B run even when training failed, so the next run in this process starts clean.
+    """Close the W&B run even when training failed, so the next run in this process starts clean; flush
+    TensorBoard and end the MLflow run the same way.
 
-    A preempted run is marked so in W&B (it will continue under the same id).
+    A preempted run is marked so in W&B and MLflow (it will continue under the same id).
     """
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger":
@@ -158,6 +196,11 @@ def finish_loggers(loggers: list, ok: bool, preempted: bool = False) -> None:
                 if preempted:
                     run.mark_preempting()
                 run.finish(exit_code=0 if ok else 1)
+        elif type(logger).__name__ in ("StepTensorBoardLogger", "StepMLFlowLogger"):
+            # Built only when their packages are there (exp.run.trackers imports them).
+            from exp.run.trackers import finish
+
+            finish(logger, ok, preempted)
 
 
 def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> None:
@@ -168,6 +211,25 @@ def log_adapter_artifact(loggers: list, adapter_dir: Path, run_name: str) -> Non
             artifact = wandb.Artifact(name=f"adapter-{re.sub(r'[^A-Za-z0-9._-]', '_', run_name)}", type="model")
             artifact.add_dir(str(adapter_dir))
             logger.experiment.log_artifact(artifact)
+        elif type(logger).__name__ == "StepMLFlowLogger":
+            from exp.run.trackers import log_adapter  # as in finish_loggers
+
+            log_adapter(logger, adapter_dir)
+
+
+# The packages whose versions manifest.json records (null: not installed).
+MANIFEST_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "lightning",
+    "hydra-core",
+    "datasets",
+    "wandb",
+    "tensorboard",
+    "mlflow-skinny",
+)
 
 
 def _git_state(path: Path) -> dict[str, Any]:
@@ -228,7 +290,7 @@ def write_manifest(run_dir: Path, tokenizer: Any, data_cfg: Any) -> None:
     import torch
 
     packages = {}
-    for name in ("torch", "transformers", "peft", "bitsandbytes", "lightning", "hydra-core", "datasets", "wandb"):
+    for name in MANIFEST_PACKAGES:
         try:
             packages[name] = md.version(name)
         except md.PackageNotFoundError:

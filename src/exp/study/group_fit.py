@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exp.core.config import ConfigError, LoggerKind, LossImpl, NonFinite, TrainConfig
+from exp.core.config import ConfigError, LossImpl, NonFinite, TrainConfig
 from exp.core.constants import IGNORE_INDEX
 from exp.data.batching import sequence_boundaries
 from exp.data.datamodule import build_run_datamodule
@@ -40,7 +40,7 @@ from exp.model.metrics import add_sums, chunked_response_metrics, example_ids, r
 from exp.run.checkpoints import read_checkpoint
 from exp.run.compose import config_dict, read_resume_record
 from exp.run.dirs import RunLayout, write_json
-from exp.run.tracking import build_loggers, new_wandb_run_id, write_manifest
+from exp.run.tracking import build_loggers, write_manifest
 from exp.study.group_member import Member, SeededDropout
 from exp.training.lifecycle import RunLifecycle
 from exp.training.module import build_optimizer, gradient_norm, lr_lambda
@@ -128,19 +128,18 @@ def _start_member(m: Member, model: nn.Module, tokenizer: Any) -> None:
         m.optimizer, lambda step, t=t: lr_lambda(step, t.warmup_step_count, t.max_steps, t.lr_schedule)
     )
     name = m.cfg.logger.run_name or "-".join(filter(None, [m.cfg.experiment_name, m.cfg.model.name, m.run_dir.name]))
-    if m.resumed_from is not None:  # the W&B run goes on
+    if m.resumed_from is not None:  # the tracker runs go on
         m.tracking_ids = dict(m.resumed_from.get("tracking_ids") or {})
-    if m.cfg.logger.kind == LoggerKind.wandb:
-        m.tracking_ids.setdefault("wandb", new_wandb_run_id())
     m.loggers = build_loggers(
         m.cfg.logger,
         m.run_dir,
         name,
         config_dict(m.cfg),
         m.cfg.experiment_name,
-        m.tracking_ids.get("wandb"),
+        m.tracking_ids,
         steps_done=lambda m=m: m.step,
         beside_others=True,
+        resumed_at=m.resumed_from["step"] if m.resumed_from is not None else None,
     )
     m.lifecycle.track(m.loggers)
     write_manifest(m.run_dir, tokenizer, m.cfg.data)

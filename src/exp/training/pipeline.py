@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from exp.core.cache import file_sha256
-from exp.core.config import ConfigError, LoggerKind, TrainConfig
+from exp.core.config import ConfigError, TrainConfig
 from exp.core.secrets import mask_secrets
 from exp.core.strategies import strategy_traits
 from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
@@ -29,7 +29,7 @@ from exp.run.compose import config_dict, read_resume_record, write_run_config
 from exp.run.dirs import RESUME_RECORD, RunLayout, write_json
 from exp.run.logs import RECORD, RecordMetrics, run_log
 from exp.run.resume import resolve
-from exp.run.tracking import build_loggers, log_adapter_artifact, new_wandb_run_id, write_manifest
+from exp.run.tracking import build_loggers, log_adapter_artifact, write_manifest
 from exp.training.faults import TrainingFault, oom_diagnosis
 from exp.training.fit import build_fit
 from exp.training.fsdp import gather_trainable, save_peft_adapter
@@ -87,8 +87,9 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
                     run_name,
                     config_dict(cfg),
                     cfg.experiment_name,
-                    module.tracking_ids.get("wandb"),
+                    module.tracking_ids,
                     steps_done=lambda: module.trainer.global_step,
+                    resumed_at=resume["step"] if resume else None,
                 )
             )
             return [*run.loggers, RecordMetrics(lambda: module.trainer.global_step)]
@@ -97,7 +98,7 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
             cfg,
             output_dir,
             run_loggers,
-            tracking_ids=_tracking_ids(cfg, resume),
+            tracking_ids=_tracking_ids(resume),
             last_good_checkpoint=functools.partial(last_good_checkpoint, output_dir, checkpoint),
             resuming=checkpoint is not None,
         )
@@ -127,12 +128,10 @@ def _train(cfg: TrainConfig, output_dir: Path, manage_run_dir: bool) -> TrainRes
         return result
 
 
-def _tracking_ids(cfg: TrainConfig, resume: dict | None) -> dict[str, str]:
-    """The run's ids in its trackers: a resumed run keeps its own (the W&B run goes on); a new W&B run gets one."""
-    tracking_ids = dict(resume["tracking_ids"]) if resume else {}
-    if cfg.logger.kind == LoggerKind.wandb:
-        tracking_ids.setdefault("wandb", new_wandb_run_id())
-    return tracking_ids
+def _tracking_ids(resume: dict | None) -> dict[str, str]:
+    """The run's ids in its trackers: a resumed run keeps its own (its tracker runs go on); a new run's are added
+    when its loggers are built (exp.run.tracking.build_loggers)."""
+    return dict(resume["tracking_ids"]) if resume else {}
 
 
 def _fit_and_validate(cfg: TrainConfig, trainer, module, datamodule, checkpoint: Path | None) -> None:
@@ -288,7 +287,7 @@ def prepare_resume(cfg: TrainConfig, output_dir: Path, launch_dir: Path, grouped
             "checkpoint": str(point.checkpoint),
             "run": str(point.run_dir),
             "step": point.step,
-            "tracking_ids": point.state["exp"]["tracking_ids"],  # the W&B run to continue
+            "tracking_ids": point.state["exp"]["tracking_ids"],  # the tracker runs to continue
         }
         write_json(output_dir / RESUME_RECORD, record)
         if note := continued_schedule_note(cfg.trainer, _trained_max_steps(point.run_dir), point.step):
