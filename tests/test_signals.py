@@ -81,7 +81,7 @@ BEFORE_TRAINING = [
         signal.SIGINT,
         "data preparation",
     ),  # Ctrl-C: preempted, not failed
-    ("tokenising", exp.data.encoding, "_encode_row", signal.SIGTERM, "data preparation"),
+    ("tokenising", exp.data.encoding, "encode_row", signal.SIGTERM, "data preparation"),
     ("model", exp.training.module, "build_model", signal.SIGHUP, "model build"),  # a closed terminal
     ("step-0", QLoRAModule, "validation_step", signal.SIGUSR1, "the step-0 validation"),
 ]
@@ -91,9 +91,9 @@ BEFORE_TRAINING = [
     ("owner", "name", "sig", "phase"), [c[1:] for c in BEFORE_TRAINING], ids=[c[0] for c in BEFORE_TRAINING]
 )
 def test_a_signal_before_training_marks_the_run_preempted(tmp_path, monkeypatch, owner, name, sig, phase: str):
-    when = fiftieth_row() if name == "_encode_row" else lambda *a, **k: True
+    when = fiftieth_row() if name == "encode_row" else lambda *a, **k: True
     signal_at(monkeypatch, owner, name, sig, when)
-    seed = f"data.seed={time.time_ns() % 2**31}" if name == "_encode_row" else "data.seed=0"  # tokenised afresh
+    seed = f"data.seed={time.time_ns() % 2**31}" if name == "encode_row" else "data.seed=0"  # tokenised afresh
     with pytest.raises(Preempted) as info:
         run([*RUN, seed], output_dir=tmp_path / "run")
     name = signal.Signals(sig).name

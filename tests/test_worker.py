@@ -52,7 +52,7 @@ def test_sigterm_during_parallel_tokenisation_stops_the_run_and_its_pool(tmp_pat
     marker.mkdir()
     monkeypatch.setenv("EXP_TEST_MARKER", str(marker))
     monkeypatch.setattr(exp.data.encoding, "PARALLEL_ROWS", 40)  # 120 rows: a pool of 3
-    monkeypatch.setattr(exp.data.encoding, "_encode_row", slow_encode)
+    monkeypatch.setattr(exp.data.encoding, "encode_row", slow_encode)
 
     def signal_once_a_worker_runs():
         while not list(marker.glob("*.json")):
