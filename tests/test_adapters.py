@@ -25,6 +25,9 @@ CONFIGS = {
 }
 DROPOUT = 0.25
 COUNTS = [3, 2, 4]  # each adapter's rows (axis 0) or tokens (axis 1)
+# (axis, rows): rows of tokens; tokens of one row laid end to end (padding-free); tokens of two rows (each job's
+# tokens in both rows: not consecutive once the rows are flattened).
+LAYOUTS = {"rows": (0, 1), "tokens": (1, 1), "tokens_of_two_rows": (1, 2)}
 
 
 class Tiny(nn.Module):
@@ -54,9 +57,10 @@ def _model() -> tuple[nn.Module, RowRouter, dict[str, torch.Generator]]:
     return model, RowRouter(model), generators
 
 
-def _input(axis: int, bad: int | None = None) -> tuple[torch.Tensor, list[tuple[slice, ...]]]:
+def _input(layout: str, bad: int | None = None) -> tuple[torch.Tensor, list[tuple[slice, ...]]]:
     torch.manual_seed(1)
-    shape = (sum(COUNTS), 5, 8) if axis == 0 else (1, sum(COUNTS), 8)
+    axis, rows = LAYOUTS[layout]
+    shape = (sum(COUNTS), 5, 8) if axis == 0 else (rows, sum(COUNTS), 8)
     x = torch.randn(shape)
     spans, start = [], 0
     for count in COUNTS:
@@ -71,42 +75,44 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _stacked(axis: int, bad: int | None = None):
+def _stacked(layout: str, bad: int | None = None, autocast: bool = False):
     """One forward of every job's rows, each through its own adapter, and the backward of the jobs' summed losses."""
     model, router, generators = _model()
-    x, spans = _input(axis, bad)
+    x, spans = _input(layout, bad)
     x.requires_grad_(True)
     for i, g in enumerate(generators.values()):
         g.manual_seed(10 + i)
-    router.route(list(zip(CONFIGS, COUNTS, strict=True)), axis=axis)
-    out = model(x)
-    sum(out[s].square().mean() for s in spans).backward()
+    router.route(list(zip(CONFIGS, COUNTS, strict=True)), axis=LAYOUTS[layout][0])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    sum(out[s].float().square().mean() for s in spans).backward()
     return out.detach(), x.grad, _grads(model)
 
 
-def _alone(axis: int):
+def _alone(layout: str, autocast: bool = False):
     """Each job's rows through its own adapter alone (the per-adapter pass), one job after another."""
     model, router, generators = _model()
-    x, spans = _input(axis)
+    x, spans = _input(layout)
     x.requires_grad_(True)
     outs = []
     for i, (name, s) in enumerate(zip(CONFIGS, spans, strict=True)):
         generators[name].manual_seed(10 + i)
         router.route_all(name)
-        out = model(x[s])
-        out.square().mean().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x[s])
+        out.float().square().mean().backward()
         outs.append(out.detach())
-    return torch.cat(outs, axis), x.grad, _grads(model)
+    return torch.cat(outs, LAYOUTS[layout][0]), x.grad, _grads(model)
 
 
-@pytest.mark.parametrize("axis", [0, 1], ids=["rows", "tokens"])
-def test_the_stacked_product_equals_each_adapter_alone(axis, monkeypatch):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_stacked_product_equals_each_adapter_alone(layout, monkeypatch):
     calls = []
     apply = adapters._StackedLora.apply
     monkeypatch.setattr(adapters._StackedLora, "apply", lambda *a: calls.append(1) or apply(*a))
-    out, grad_x, grads = _stacked(axis)
+    out, grad_x, grads = _stacked(layout)
     assert len(calls) == 2  # fc1 (three adapters) and fc2 (two): both stacked
-    ref_out, ref_grad_x, ref_grads = _alone(axis)
+    ref_out, ref_grad_x, ref_grads = _alone(layout)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_x, ref_grad_x, rtol=1e-6, atol=1e-6)
     assert sorted(grads) == sorted(ref_grads) and len(grads) == 10
@@ -115,11 +121,11 @@ def test_the_stacked_product_equals_each_adapter_alone(axis, monkeypatch):
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-6, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("axis", [0, 1], ids=["rows", "tokens"])
-def test_a_job_with_nan_rows_leaves_the_other_adapters_gradients_as_they_are(axis):
-    clean_out, clean_grad_x, clean = _stacked(axis)
-    out, grad_x, grads = _stacked(axis, bad=1)
-    _, spans = _input(axis)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_job_with_nan_rows_leaves_the_other_adapters_gradients_as_they_are(layout):
+    clean_out, clean_grad_x, clean = _stacked(layout)
+    out, grad_x, grads = _stacked(layout, bad=1)
+    _, spans = _input(layout)
     assert out[spans[1]].isnan().all()
     for i in (0, 2):
         torch.testing.assert_close(out[spans[i]], clean_out[spans[i]], rtol=0, atol=0)
@@ -130,3 +136,16 @@ def test_a_job_with_nan_rows_leaves_the_other_adapters_gradients_as_they_are(axi
         else:
             assert grads[n].isfinite().all(), n
             torch.testing.assert_close(grads[n], clean[n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_under_autocast_the_stacked_product_runs_in_bf16_and_gives_the_weights_dtype():
+    """bf16 autocast: the stacked product's output is bf16 as the per-adapter pass's, its gradients fp32 as the
+    weights, both within bf16 rounding of the per-adapter pass."""
+    out, grad_x, grads = _stacked("tokens", autocast=True)
+    ref_out, ref_grad_x, ref_grads = _alone("tokens", autocast=True)
+    assert out.dtype == ref_out.dtype
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad_x, ref_grad_x, rtol=2e-2, atol=2e-3)
+    for n in grads:
+        assert grads[n].dtype == torch.float32, n
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=2e-2, atol=2e-3, msg=n)
