@@ -201,22 +201,26 @@ class RowRouter:
         ranks = sum(rank for _, rank, _ in columns)
         shape = [1] * x.dim()
         shape[self.axis], shape[-1] = x.shape[self.axis], ranks
-        mask = torch.zeros(shape, dtype=torch.bool)
-        scale = torch.empty(ranks, dtype=torch.float32)
+        # Filled on the device: a copy from host memory would wait for the device's queue once per micro-batch.
+        mask = torch.zeros(shape, dtype=torch.bool, device=x.device)
+        scale = torch.empty(ranks, dtype=torch.float32, device=x.device)
         parts, column = [], 0
         # Consecutive rows of the flattened input where every dimension before the routed one is 1, else indices.
         inner = math.prod(x.shape[self.axis + 1 : -1])
         consecutive = math.prod(x.shape[: self.axis]) == 1
-        positions = None if consecutive else torch.arange(math.prod(x.shape[:-1])).view(x.shape[:-1])
+        positions = None if consecutive else torch.arange(math.prod(x.shape[:-1]), device=x.device)
         for (_, rank, scaling), (_, index) in zip(columns, present, strict=True):
             cols = slice(column, column + rank)
             mask[index + (slice(None),) * (x.dim() - 1 - len(index)) + (cols,)] = True
             scale[cols] = scaling
             span = index[-1]
-            rows = slice(span.start * inner, span.stop * inner) if consecutive else positions[index].flatten()
-            parts.append(_Part(rows if consecutive else rows.to(x.device), cols, float(scaling)))
+            if consecutive:
+                rows = slice(span.start * inner, span.stop * inner)
+            else:
+                rows = positions.view(x.shape[:-1])[index].flatten()
+            parts.append(_Part(rows, cols, float(scaling)))
             column += rank
-        stack = _Stack(tuple(parts), mask.to(x.device), scale.to(x.device))
+        stack = _Stack(tuple(parts), mask, scale)
         self._stacks[key] = stack
         return stack
 
