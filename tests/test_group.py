@@ -144,8 +144,15 @@ def test_a_grouped_job_leaves_the_files_of_a_job_run_alone(runs):
     a = load_file(alone / "adapter" / "adapter_model.safetensors")
     g = load_file(grouped / "adapter" / "adapter_model.safetensors")
     assert sorted(a) == sorted(g)
+    # A layer serving several adapters runs them as one stacked product (exp.model.adapters.RowRouter), whose sums
+    # run in another order than a run alone's: the gradients agree to fp32 rounding (a few 1e-7 of their norm), and
+    # the weights to the losses' 1e-5, except for the rare element whose gradient is about AdamW's eps (1e-8), there
+    # a cancellation that the order decides, which the first steps' update lr * g / (|g| + eps) turns into a share
+    # of one step at the learning rate (measured: 21 of 7168 elements beyond 1e-5, the largest 1.1e-4).
+    off = sum(int((g[k] - a[k]).abs().gt(1e-5).sum()) for k in a)
+    assert off <= 0.01 * sum(a[k].numel() for k in a)
     for k in a:
-        torch.testing.assert_close(g[k], a[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g[k], a[k], rtol=1e-4, atol=0.05 * 1e-2)  # 5% of one step at lr 1e-2
     from exp.model.build import build_tokenizer, load_base_model
 
     cfg = compose_typed(COMMON + JOBS[1])
