@@ -2,8 +2,9 @@
 
 One forward pass scores every row of the batch (a pair's chosen rows, then its rejected rows; KTO: the examples,
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
-its completion tokens. The reference model of DPO and KTO is the same 4-bit base with the adapters switched off
-(PEFT's `disable_adapter`), scored without gradients: no second model in memory. The losses themselves are
+its completion tokens. The reference model of DPO and KTO is the same 4-bit base with the LoRA contribution switched
+off (exp.model.reference: the policy's own numeric path with LoRA's scaling 0, so that fresh adapters give rewards of
+exactly 0), scored without gradients: no second model in memory. The losses themselves are
 exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
 
 Under `hardware.loss_impl=liger` (exp.model.loss_plan chose it: CUDA, and an objective liger computes as exp does)
@@ -34,6 +35,7 @@ from exp.model.preference import (
     sequence_logps,
     simpo_loss,
 )
+from exp.model.reference import reference_pass
 
 
 def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +53,7 @@ def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) 
 
 def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
     """The rows' log-probabilities under the base alone (the adapters off, no gradients)."""
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), reference_pass(model):
         return row_logps(model, batch, impl)[0]
 
 
@@ -119,7 +121,7 @@ def fused_preference_loss(
     hidden, weight, labels = _hidden(model, batch)
     ref = None
     if o.uses_reference:
-        with torch.no_grad(), model.disable_adapter():
+        with torch.no_grad(), reference_pass(model):
             ref = _hidden(model, batch)[0]
     compiled = hidden.device.type == "cuda"  # liger's torch.compile of its chunk step: CUDA; eager on the CPU
     half = labels.shape[0] // 2
