@@ -18,7 +18,7 @@ from test_gpu_objectives import _batch
 
 from exp.core.config import LossImpl
 from exp.model import dequantized
-from exp.model.build import build_model, compile_decoder_layers
+from exp.model.build import build_model
 from exp.model.reference import reference_pass, scaling_switch_problem
 from exp.training.objectives import preference_loss, reference_logps, row_logps
 
@@ -120,6 +120,28 @@ def test_dora_takes_pefts_switch():
         assert all(m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer))
 
 
+@pytest.mark.slow
+def test_a_compiled_gpu_twin_dpo_run_starts_at_ln2(tmp_path):
+    """`exp.train objective=dpo` on the GPU configuration's CPU twin, every layer compiled, kept and fused: the step-0
+    evaluation's rewards are exactly 0 and the first training step's loss is exactly ln 2."""
+    import csv
+    import json
+
+    from exp.train import run
+
+    run([*TWIN, "hardware.dequantized_layers=4", "hardware.loss_impl=chunked", "hardware.compile=true",
+         "hardware.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.max_steps=1",
+         "trainer.val_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+         "trainer.sample_count=0", "data.num_examples=48", "data.val_size=8", "logger=csv"],
+        output_dir=tmp_path / "run")  # fmt: skip
+    initial = json.loads((tmp_path / "run" / "summary.json").read_text())["initial_val"]
+    assert initial["val/rewards/chosen"] == 0.0 and initial["val/rewards/rejected"] == 0.0
+    assert initial["val/loss"] == LN2
+    with (tmp_path / "run" / "csv" / "metrics.csv").open() as f:
+        first = next(r for r in csv.DictReader(f) if r.get("train/loss"))
+    assert float(first["train/loss"]) == LN2 and float(first["train/rewards/margin"]) == 0.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
 def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
@@ -127,8 +149,7 @@ def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
     must still compute the policy's numbers."""
     cfg = compose_typed([*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4",
                          "hardware.fuse_lora=true", "lora.dropout=0", "hardware.compile=true"])  # fmt: skip
-    model = build_model(cfg, "cuda")
-    compile_decoder_layers(model)
+    model = build_model(cfg, "cuda")  # hardware.compile=true: every decoder layer compiled
     batch = _batch(cfg, pairs=8)
     for _ in range(2):  # the first call compiles
         model.zero_grad(set_to_none=True)
