@@ -37,7 +37,7 @@ def scaling_switch_problem(model: nn.Module) -> str | None:
     if any(getattr(c, "bias", "none") != "none" for c in getattr(model, "peft_config", {}).values()):
         return "lora.bias trains the base layers' biases"
     for layer in _lora_layers(model):
-        if any(name in layer.lora_variant for name in layer.active_adapters):
+        if layer.lora_variant:
             return "a LoRA variant (DoRA) rescales the base output"
     return None
 
@@ -53,10 +53,9 @@ def reference_pass(model: nn.Module) -> Iterator[None]:
     layers = _lora_layers(model)
     saved = [dict(layer.scaling) for layer in layers]
     try:
-        for layer in layers:
-            for name in layer.active_adapters:
-                if name in layer.scaling:
-                    layer.scaling[name] = 0.0
+        for layer in layers:  # every adapter's, not only the active one's: exp.model.adapters adds inactive ones too
+            for name in layer.scaling:
+                layer.scaling[name] = 0.0
         yield
     finally:
         for layer, scaling in zip(layers, saved, strict=True):
