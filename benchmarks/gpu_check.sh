@@ -68,8 +68,12 @@
 #                pairs a step, 30 steps: the hand-written HF + PEFT + bitsandbytes DPO loop (reference: adapter off),
 #                then exp within its peak (liger's chunked DPO loss)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
-#   preftests    python -m pytest -m gpu tests/test_gpu_objectives.py: liger's chunked preference losses against exp's
-#                own on the GPU (bf16), a DPO run killed then resumed
+#   dpo7bfloor   dpo7b's pairs, 12 steps, with two more hand-written loops of the same math and other numerics
+#                (`baseline prepare=false`: bf16 norms and embedding as exp's; `baseline compile=true`): how far
+#                per-step DPO losses drift from rounding alone on the random-weight model, the floor for exp's
+#   preftests    python -m pytest -m gpu tests/test_gpu_objectives.py tests/test_reference_pass.py: liger's chunked
+#                preference losses against exp's own on the GPU (bf16), a DPO run killed then resumed, fresh adapters
+#                at exactly ln 2 through the compiled, kept, fused layers
 #   loravariants exp.bench exp-only, Gemma-7B 2048 x 8 random tokens on the whole GPU, $LORA_STEPS (6) steps each:
 #                plain LoRA, lora=dora, lora=rslora, lora=pissa, lora.init=olora, lora.plus_lr_ratio=16 (docs/lora.md)
 #   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
@@ -152,7 +156,7 @@ BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 || $1 == dpo7b || $1 == orpo7b ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 || $1 == dpo7b || $1 == orpo7b || $1 == dpo7bfloor ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -303,9 +307,13 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       objective=${1%7b}; steps=30; [ "$objective" = orpo ] && steps=${ORPO_STEPS:-30}
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
+    dpo7bfloor)
+      stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
+        steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \
+        "variant=baseline compile=true" variant=exp ;;
     preftests)
       stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
-        tests/test_gpu_objectives.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
+        tests/test_gpu_objectives.py tests/test_reference_pass.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;

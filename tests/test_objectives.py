@@ -175,3 +175,28 @@ def test_the_default_dpo_run_learns_the_generated_preferences(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["initial_val"]["val/accuracy"] == 0.0
     assert summary["final_val"]["val/accuracy"] >= 0.9, summary["final_val"]
+
+
+def test_grouping_by_length_sorts_pairs_within_each_step_only(tokenizer):
+    """data.group_by_length on pairs: every optimiser step holds the pairs of the seeded order, sorted by length into
+    its micro-batches (less padding); KTO's micro-batches keep the seeded order (its reference point is per batch)."""
+    from exp.data.preference import PreferenceDataModule
+
+    def module(group: bool, unpaired: bool = False) -> PreferenceDataModule:
+        # The generated pairs (data.format=synthetic, the default data of every objective).
+        cfg = DataConfig(num_examples=96, val_size=16, group_by_length=group, max_seq_len=64)
+        return PreferenceDataModule(cfg, tokenizer, 4, unpaired, step_micro_batches=3)
+
+    plain, grouped = module(False).train_epoch_batches(0), module(True).train_epoch_batches(0)
+    steps = len(grouped) // 3
+    assert steps and len(grouped) == 3 * steps
+    for k in range(steps):
+        assert sorted(sum(grouped[3 * k : 3 * k + 3], [])) == sorted(sum(plain[3 * k : 3 * k + 3], []))
+    train = module(True).train_set
+
+    def slots(batches):
+        return sum(max(len(train[i].prompt) + max(len(train[i].chosen), len(train[i].rejected)) for i in b)
+                   for b in batches[: 3 * steps])  # fmt: skip
+
+    assert slots(grouped) < slots(plain)
+    assert module(True, unpaired=True).train_epoch_batches(0) == module(False, unpaired=True).train_epoch_batches(0)

@@ -93,9 +93,10 @@ class Settings:
         """The settings as exp config overrides, with the baseline's optimiser (torch AdamW defaults, no clipping)."""
         if self.objective != "sft":
             # exp's preference data on the pairs file; one micro-batch of the step's pairs unless exp's preflight
-            # splits it to fit (hardware.auto_micro_batch).
+            # splits it to fit (hardware.auto_micro_batch), then with the step's pairs sorted by length first (the
+            # same pairs per step: the per-step losses still compare).
             batching = [f"objective={self.objective}", "data.format=preference", f"data.path={self.data_path}",
-                        f"hardware.micro_batch_size={self.micro_batch}"]  # fmt: skip
+                        f"hardware.micro_batch_size={self.micro_batch}", "data.group_by_length=true"]  # fmt: skip
         elif self.data_path:
             # exp's own batching of real data (hardware=gpu's micro-batch, accumulated to the step's examples).
             batching = ["data=alpaca", f"data.path={self.data_path}"]

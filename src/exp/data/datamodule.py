@@ -318,7 +318,8 @@ def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | No
         return StreamingDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size)
     if cfg.objective.preference:
         unpaired = cfg.objective.kind == Objective.kto
-        return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers)
+        step = cfg.accumulate_grad_batches * cfg.data_parallel_size
+        return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers, step)
     return build_datamodule(
         cfg.data,
         tokenizer,

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat
 from exp.core.constants import IGNORE_INDEX
-from exp.data.batching import ShardSampler, TrainStream, shuffled_batches
+from exp.data.batching import ShardSampler, TrainStream, shuffled_batches, step_sorted_batches
 from exp.data.formats import CHAT_ROLES, BadRow, _apply, format_prompt
 from exp.data.sources import read_source
 from exp.data.splits import split_rows
@@ -282,10 +282,21 @@ class PreferenceDataModule(L.LightningDataModule):
     resumed run continues from its position; validation in split order. Padded rows: a pair's two completions are
     scored apart, so nothing is laid end to end."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, micro_batch_size: int, unpaired: bool, num_workers: int = 0):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Any,
+        micro_batch_size: int,
+        unpaired: bool,
+        num_workers: int = 0,
+        step_micro_batches: int = 1,
+    ):
+        """`step_micro_batches`: the micro-batches of one optimiser step, all ranks together (what `data.group_by_length`
+        sorts pairs within)."""
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
+        self.unpaired, self.step_micro_batches = unpaired, step_micro_batches
         self.train_set, self.val_set, counts = preference_splits(cfg, tokenizer, unpaired)
         self.start_batch = 0
         kind = "unpaired completions" if unpaired else "pairs"
@@ -310,7 +321,24 @@ class PreferenceDataModule(L.LightningDataModule):
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.train_set) // self.micro_batch_size
+        return len(self.train_epoch_batches(0))
+
+    @property
+    def step_sorted(self) -> bool:
+        """`data.group_by_length` on pairs: each optimiser step's pairs sorted by length before they are cut into its
+        micro-batches, so each micro-batch pads to a closer longest row. A step holds the same pairs either way and its
+        loss is the mean over them (equal micro-batches), so only the padding changes. Within steps whatever
+        `data.length_grouping` says: across steps would change what a step learns from. KTO keeps the seeded order:
+        its reference point comes from the rows of each micro-batch."""
+        return self.cfg.group_by_length and not self.unpaired and self.step_micro_batches > 1
+
+    def train_epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global micro-batches of training epoch `epoch`, in order (all ranks together)."""
+        if self.step_sorted:
+            # A pair's rows pad to the longer of its two.
+            lengths = [len(e.prompt) + max(len(e.chosen), len(e.rejected)) for e in self.train_set]
+            return step_sorted_batches(lengths, self.micro_batch_size, self.step_micro_batches, self.cfg.seed, epoch)
+        return shuffled_batches(len(self.train_set), self.micro_batch_size, self.cfg.seed, epoch)
 
     def majority_token_accuracy(self) -> float:
         """The chance level a researcher compares preference accuracy with: a coin flip."""
@@ -337,8 +365,7 @@ class PreferenceDataModule(L.LightningDataModule):
                 f"the training split has {len(self.train_set)} preference examples, fewer than one micro-batch of "
                 f"{self.micro_batch_size}: lower hardware.micro_batch_size or use more data"
             )
-        n, size, seed = len(self.train_set), self.micro_batch_size, self.cfg.seed
-        stream = TrainStream(lambda e: shuffled_batches(n, size, seed, e), rank, world, start=self.start_batch)
+        stream = TrainStream(self.train_epoch_batches, rank, world, start=self.start_batch)
         return DataLoader(
             self.train_set,
             batch_sampler=stream,

@@ -94,10 +94,14 @@ class FusedLoraLinear4bit(LoraLinear4bit):
         name = adapters[0]
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
         packed = base.packed
-        with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
-            packed[:, base.in_features :].copy_(lora_b.weight)
+        scaling = self.scaling[name]
+        if scaling != 0:
+            with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
+                packed[:, base.in_features :].copy_(lora_b.weight)
+        # else the reference pass (exp.model.reference): the same product with the LoRA columns of the input 0. The
+        # packed B is left alone: the policy's forward saved it for its backward, which an in-place copy would break.
         inp = x if torch.is_autocast_enabled() else x.to(lora_a.weight.dtype)  # as PEFT casts for the LoRA branch
-        xa = lora_a(self.lora_dropout[name](inp)) * self.scaling[name]
+        xa = lora_a(self.lora_dropout[name](inp)) * scaling
         y = _BaseAndLoraProduct.apply(x.to(packed.dtype), xa.to(packed.dtype), packed, lora_b.weight)
         return y.to(x.dtype)
 
@@ -127,6 +131,8 @@ def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
             w = torch.empty(module.out_features, module.in_features + r, dtype=dtype, device=weight.device)
             with torch.no_grad():
                 w[:, : module.in_features] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+                if r:  # B's current values: the reference pass multiplies them by 0 and must not meet NaN there
+                    w[:, module.in_features :] = next(iter(lora.lora_B.values())).weight
             module.__class__ = DequantizedLinear4bit
             module.dequantized = w[:, : module.in_features]
             if r:

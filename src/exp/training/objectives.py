@@ -3,10 +3,11 @@
 One forward pass scores every row of the batch (a pair's chosen rows, then its rejected rows; KTO: the examples,
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
 its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored without gradients: no
-second model in memory. With the adapters switched off (PEFT's `disable_adapter`) it is the base alone; when the
-model holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`),
-that copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once
-before training: exp.training.reference) skips the reference pass. The losses themselves are
+second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
+(exp.model.reference: each LoRA layer's scaling 0, so that fresh adapters give rewards of exactly 0); when the model
+holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`), that
+copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
+training: exp.training.reference) skips the reference pass. The losses themselves are
 exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
 
 Under `hardware.loss_impl=liger` (exp.model.loss_plan chose it: CUDA, and an objective liger computes as exp does)
@@ -41,6 +42,7 @@ from exp.model.preference import (
     sequence_logps,
     simpo_loss,
 )
+from exp.model.reference import reference_pass
 
 
 def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +60,10 @@ def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) 
 
 @contextlib.contextmanager
 def reference_model(model: nn.Module) -> Iterator[None]:
-    """The model as the reference: the frozen starting adapter alone when the model holds one, else the base with
-    every adapter off. The trainable adapter is active again (and trainable) on exit."""
+    """The model as the reference: the frozen starting adapter alone when the model holds one, else the base (every
+    LoRA product at scaling 0, exp.model.reference). The trainable adapter is active again (and trainable) on exit."""
     if REFERENCE_ADAPTER not in model.peft_config:
-        with model.disable_adapter():
+        with reference_pass(model):
             yield
         return
     active = model.active_adapter

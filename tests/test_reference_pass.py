@@ -1,0 +1,158 @@
+"""DPO's reference pass (exp.model.reference) on the GPU configuration's model, built on the CPU: the policy's own
+path with LoRA's scaling 0, so fresh adapters give a DPO loss of exactly ln 2 and rewards of exactly 0 whatever
+kernels, fusions and loss implementation the policy runs through.
+
+On the CPU the kernels of the fused `[W | B]` product and of the plain `W` product happen to round alike, so the
+numbers alone would not show a reference that leaves the policy's path: the first test also checks the path (the
+fused product runs in the reference pass as in the policy's). On a GPU the numbers do show it (`-m gpu`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import compose_typed
+from peft.tuners.lora import LoraLayer
+from test_gpu_objectives import _batch
+
+from exp.core.config import LossImpl
+from exp.model import dequantized
+from exp.model.build import build_model
+from exp.model.reference import reference_pass, scaling_switch_problem
+from exp.training.objectives import preference_loss, reference_logps, row_logps
+
+LN2 = torch.tensor(math.log(2.0), dtype=torch.float32).item()
+# The GPU configuration as it resolves on a GPU (kept dequantized weights in every layer, LoRA's B joined to them),
+# without dropout: both passes must see the same model.
+TWIN = [
+    "objective=dpo",
+    "hardware=gpu",
+    "hardware.accelerator=cpu",
+    "hardware.precision=bf16-mixed",
+    "hardware.dequantized_layers=2",
+    "hardware.fuse_lora=true",
+    "lora.dropout=0",
+]
+IMPLS = [LossImpl.hf, LossImpl.chunked, LossImpl.liger]
+
+
+def _step(model, batch, cfg, impl: LossImpl, device: str = "cpu"):
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss, sums = preference_loss(model, batch, cfg.objective, impl)
+    loss.backward()  # after the reference pass: the fused product's saved [W | B] must be intact
+    return loss.detach(), sums
+
+
+@pytest.fixture(scope="module")
+def twin():
+    cfg = compose_typed(TWIN)
+    return cfg, build_model(cfg, "cpu"), _batch(cfg, 4)
+
+
+def test_the_reference_pass_runs_the_policys_fused_product_with_lora_off(twin, monkeypatch):
+    cfg, model, batch = twin
+    assert scaling_switch_problem(model) is None
+    calls: list[bool] = []  # per fused product: whether LoRA's input columns are nonzero
+    forward = dequantized._BaseAndLoraProduct.forward
+
+    def counted(ctx, x, xa, packed, b):
+        calls.append(bool(xa.any()))
+        return forward(ctx, x, xa, packed, b)
+
+    monkeypatch.setattr(dequantized._BaseAndLoraProduct, "forward", staticmethod(counted))
+    scalings = [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)]
+    _step(model, batch, cfg, LossImpl.chunked)
+    fused = sum(type(m) is dequantized.FusedLoraLinear4bit for m in model.modules())
+    # The policy's forward, the reference's (every fused layer multiplied as in the policy's pass, LoRA's input 0),
+    # then the backward's recomputation of the checkpointed layers.
+    assert fused and calls[:fused] == [True] * fused and calls[fused : 2 * fused] == [False] * fused
+    assert all(calls[2 * fused :])
+    assert [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)] == scalings  # restored
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
+def test_fresh_adapters_start_dpo_at_ln2_with_zero_rewards(twin, impl):
+    if impl == LossImpl.liger:
+        pytest.importorskip("liger_kernel.chunked_loss", reason="liger-kernel is not installed (the gpu extra)")
+    cfg, model, batch = twin
+    model.zero_grad(set_to_none=True)
+    loss, sums = _step(model, batch, cfg, impl)
+    assert loss.item() == LN2
+    assert sums["rewards_chosen"].item() == 0.0 and sums["rewards_rejected"].item() == 0.0
+
+
+def test_trained_adapters_score_the_base_as_the_reference(twin):
+    """With B moved off 0, the reference is still the base: the same log-probabilities as PEFT's adapters-off pass."""
+    cfg, model, batch = twin
+    original = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours = reference_logps(model, batch, LossImpl.chunked)
+            with torch.no_grad(), model.disable_adapter():
+                peft = row_logps(model, batch, LossImpl.chunked)[0]
+            policy = row_logps(model, batch, LossImpl.chunked)[0].detach()
+        assert torch.allclose(ours, peft, rtol=1e-3, atol=1e-2), (ours, peft)
+        assert not torch.allclose(ours, policy, rtol=1e-3, atol=1e-2)  # the adapters are off in it
+    finally:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in original:
+                    p.copy_(original[name])
+
+
+def test_dora_takes_pefts_switch():
+    """DoRA's output is rescaled by its trained magnitude over the weight's norm: a scaling of 0 is not the base, so
+    the reference is PEFT's adapters-off pass. (Its policy is the base at the start only up to the rounding of that
+    norm: its step-0 rewards are near 0, not exactly 0.)"""
+    cfg = compose_typed([*TWIN, "lora.use_dora=true"])
+    model = build_model(cfg, "cpu")
+    assert "DoRA" in scaling_switch_problem(model)
+    loss, sums = _step(model, _batch(cfg, 4), cfg, LossImpl.chunked)
+    assert abs(sums["rewards_chosen"].item()) < 0.05 and abs(loss.item() - LN2) < 0.01
+    with reference_pass(model):
+        assert all(m.disable_adapters for m in model.modules() if isinstance(m, LoraLayer))
+
+
+@pytest.mark.slow
+def test_a_compiled_gpu_twin_dpo_run_starts_at_ln2(tmp_path):
+    """`exp.train objective=dpo` on the GPU configuration's CPU twin, every layer compiled, kept and fused: the step-0
+    evaluation's rewards are exactly 0 and the first training step's loss is exactly ln 2."""
+    import csv
+    import json
+
+    from exp.train import run
+
+    run([*TWIN, "hardware.dequantized_layers=4", "hardware.loss_impl=chunked", "hardware.compile=true",
+         "hardware.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.max_steps=1",
+         "trainer.val_every_n_steps=1", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+         "trainer.sample_count=0", "data.num_examples=48", "data.val_size=8", "logger=csv"],
+        output_dir=tmp_path / "run")  # fmt: skip
+    initial = json.loads((tmp_path / "run" / "summary.json").read_text())["initial_val"]
+    assert initial["val/rewards/chosen"] == 0.0 and initial["val/rewards/rejected"] == 0.0
+    assert initial["val/loss"] == LN2
+    with (tmp_path / "run" / "csv" / "metrics.csv").open() as f:
+        first = next(r for r in csv.DictReader(f) if r.get("train/loss"))
+    assert float(first["train/loss"]) == LN2 and float(first["train/rewards/margin"]) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
+def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
+    """On the GPU: cuBLAS picks its kernel by the product's shape, and the layers run compiled: the reference pass
+    must still compute the policy's numbers."""
+    cfg = compose_typed([*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4",
+                         "hardware.fuse_lora=true", "lora.dropout=0", "hardware.compile=true"])  # fmt: skip
+    model = build_model(cfg, "cuda")  # hardware.compile=true: every decoder layer compiled
+    batch = _batch(cfg, pairs=8)
+    for _ in range(2):  # the first call compiles
+        model.zero_grad(set_to_none=True)
+        loss, sums = _step(model, batch, cfg, impl, "cuda")
+        assert loss.item() == LN2
+        assert sums["rewards_chosen"].item() == 0.0 and sums["rewards_rejected"].item() == 0.0
