@@ -27,7 +27,7 @@ from exp.data.batching import (
     shuffled_batches,
     step_sorted_batches,
 )
-from exp.data.encoding import loss_tokens
+from exp.data.encoding import loss_tokens, majority_token_accuracy
 from exp.data.packing import pack
 from exp.data.padding_free import PLAN_EPOCHS, FlatBatching, balanced_split, micro_batches_per_step, validation_groups
 from exp.data.preference import PreferenceDataModule
@@ -156,14 +156,7 @@ class InstructionDataModule(L.LightningDataModule):
 
     def majority_token_accuracy(self) -> float:
         """Accuracy on validation labels of always guessing the most frequent training label: the chance line."""
-        counts: dict[int, int] = {}
-        for e in self.train_set:
-            for t in e.labels:
-                if t != IGNORE_INDEX:
-                    counts[t] = counts.get(t, 0) + 1
-        top = max(counts, key=counts.get)
-        val = [t for e in self.val_set for t in e.labels if t != IGNORE_INDEX]
-        return sum(t == top for t in val) / len(val)
+        return majority_token_accuracy(self.train_set, self.val_set)
 
     def _collate(self):
         return functools.partial(collate, pad_id=self.tokenizer.pad_token_id)

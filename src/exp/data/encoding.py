@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,18 @@ class Encoded:
 def loss_tokens(e: Encoded | Packed) -> int:
     """Tokens that carry loss: position t predicts label t + 1, so the first label never counts."""
     return sum(t != IGNORE_INDEX for t in e.labels[1:])
+
+
+def majority_token_accuracy(train: Iterable[Encoded | Packed], val: Iterable[Encoded | Packed]) -> float:
+    """Accuracy on `val`'s labels of always guessing the most frequent label of `train`: the chance line."""
+    counts: dict[int, int] = {}
+    for e in train:
+        for t in e.labels:
+            if t != IGNORE_INDEX:
+                counts[t] = counts.get(t, 0) + 1
+    top = max(counts, key=counts.get)
+    labels = [t for e in val for t in e.labels if t != IGNORE_INDEX]
+    return sum(t == top for t in labels) / len(labels)
 
 
 def encode_rendered(

@@ -31,9 +31,15 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from exp.core.config import BadRows, ConfigError, DataConfig
-from exp.core.constants import IGNORE_INDEX
 from exp.data.batching import ShardSampler, collate
-from exp.data.encoding import Encoded, check_position_limit, encode_row, loss_tokens, tokenizer_fingerprint
+from exp.data.encoding import (
+    Encoded,
+    check_position_limit,
+    encode_row,
+    loss_tokens,
+    majority_token_accuracy,
+    tokenizer_fingerprint,
+)
 from exp.data.files import READERS, list_files
 from exp.data.splits import keep_examples, usable_encoded
 
@@ -265,14 +271,7 @@ class StreamingDataModule(L.LightningDataModule):
     def majority_token_accuracy(self) -> float:
         """Accuracy on the held-out labels of always guessing the most frequent label of the stream's first
         CHANCE_EXAMPLES training examples."""
-        counts: dict[int, int] = {}
-        for e in self.train_examples(CHANCE_EXAMPLES):
-            for t in e.labels:
-                if t != IGNORE_INDEX:
-                    counts[t] = counts.get(t, 0) + 1
-        top = max(counts, key=counts.get)
-        val = [t for e in self.val_set for t in e.labels if t != IGNORE_INDEX]
-        return sum(t == top for t in val) / len(val)
+        return majority_token_accuracy(self.train_examples(CHANCE_EXAMPLES), self.val_set)
 
     def resume_at(self, batches_seen: int) -> None:
         self.start_batch = batches_seen
