@@ -313,7 +313,7 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
         "variant=baseline compile=true" variant=exp ;;
     preftests)
       stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
-        tests/test_gpu_objectives.py tests/test_reference_pass.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
+        tests/test_gpu_objectives.py tests/test_reference_pass.py tests/test_flat_pairs.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;

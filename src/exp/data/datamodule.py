@@ -312,7 +312,9 @@ def build_run_datamodule(cfg: TrainConfig, tokenizer: Any, num_workers: int | No
     if cfg.objective.preference:
         unpaired = cfg.objective.kind == Objective.kto
         step = cfg.accumulate_grad_batches * cfg.data_parallel_size
-        return PreferenceDataModule(cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers, step)
+        return PreferenceDataModule(
+            cfg.data, tokenizer, cfg.hardware.micro_batch_size, unpaired, workers, step, flat=cfg.hardware.padding_free
+        )
     return build_datamodule(
         cfg.data,
         tokenizer,

@@ -24,6 +24,7 @@ import functools
 import logging
 import random
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -32,7 +33,14 @@ from torch.utils.data import DataLoader
 
 from exp.core.config import BadRows, ConfigError, DataConfig, DataFormat
 from exp.core.constants import IGNORE_INDEX
-from exp.data.batching import ShardSampler, TrainStream, shuffled_batches, step_sorted_batches
+from exp.data.batching import (
+    ShardSampler,
+    TrainStream,
+    sequence_boundaries,
+    shuffled_batches,
+    step_sorted_batches,
+)
+from exp.data.padding_free import PAD_MULTIPLE
 from exp.data.formats import CHAT_ROLES, BadRow, _apply, format_prompt
 from exp.data.sources import read_source
 from exp.data.splits import split_rows
@@ -255,12 +263,7 @@ def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str,
     """Paired examples: the chosen rows, then the rejected rows (2B rows, one forward). Unpaired (KTO): the examples'
     rows, then B rows of each prompt with the next example's completion (the mismatched pairs KTO's reference point
     is estimated from), and `desirable` [B]. Padded on the right, with an attention mask."""
-    if items[0].rejected is not None:
-        rows = [_row(e.prompt, e.chosen) for e in items] + [_row(e.prompt, e.rejected) for e in items]
-    else:
-        n = len(items)
-        rows = [_row(e.prompt, e.chosen) for e in items]
-        rows += [_row(e.prompt, items[(i + 1) % n].chosen) for i, e in enumerate(items)]
+    rows = flat_rows(items)
     length = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
@@ -277,10 +280,74 @@ def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str,
     return batch
 
 
+def flat_rows(items: list[PreferenceExample]) -> list[tuple[list[int], list[int]]]:
+    """The rows of `collate_preference`, in its order, as (ids, labels)."""
+    if items[0].rejected is not None:
+        return [_row(e.prompt, e.chosen) for e in items] + [_row(e.prompt, e.rejected) for e in items]
+    n = len(items)
+    return [_row(e.prompt, e.chosen) for e in items] + [
+        _row(e.prompt, items[(i + 1) % n].chosen) for i, e in enumerate(items)
+    ]
+
+
+def collate_flat_preference(items: list[PreferenceExample], pad_id: int) -> dict[str, torch.Tensor | int]:
+    """`collate_preference`'s rows laid end to end in one row without padding (`hardware.padding_free`): every row
+    keeps its own position ids (restarting at 0), and the sequence boundaries go with the batch for varlen attention
+    (exp.data.batching.sequence_boundaries), so no token attends to another row. The forward then costs the rows'
+    real tokens, where padded rows cost the longest row's length each: about half of a pair batch of real prompts
+    and answers is padding.
+
+    The loss reads only the completion tokens, so the decoder's output is gathered back into one short row per
+    completion (exp.training.objectives): `row_index` [2B, C + 1] holds the positions, in the flat row, of the
+    token before the completion and of its tokens, and `labels` [2B, C + 1] IGNORE then the completion's ids (C: the
+    longest completion), laid out as padded rows so that every loss shifts them as it shifts padded rows. The head
+    then never runs over prompt tokens either.
+
+    The row is rounded up to PAD_MULTIPLE tokens with at least one padding token, a sequence of its own: a compiled
+    model meets few distinct lengths, and every batch of B pairs has the same number of boundaries."""
+    rows = flat_rows(items)
+    total = sum(len(ids) for ids, _ in rows)
+    width = -(-(total + 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+    ids = torch.full((1, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, width), dtype=torch.long)
+    completion = max(sum(1 for x in lab if x != IGNORE_INDEX) for _, lab in rows)
+    index = torch.zeros((len(rows), completion + 1), dtype=torch.long)
+    labels = torch.full((len(rows), completion + 1), IGNORE_INDEX, dtype=torch.long)
+    start = 0
+    for r, (row_ids, row_labels) in enumerate(rows):
+        n = len(row_ids)
+        ids[0, start : start + n] = torch.tensor(row_ids)
+        positions[0, start : start + n] = torch.arange(n)
+        first = next(k for k, x in enumerate(row_labels) if x != IGNORE_INDEX)  # every row's prompt is non-empty
+        span = n - first  # the completion (always at the row's end)
+        index[r, : span + 1] = torch.arange(start + first - 1, start + n)
+        labels[r, 1 : span + 1] = torch.tensor(row_labels[first:])
+        start += n
+    positions[0, start:] = torch.arange(width - start)
+    batch: dict[str, torch.Tensor | int] = {
+        "input_ids": ids,
+        "position_ids": positions,
+        **sequence_boundaries(positions),
+        "labels": labels,
+        "row_index": index,
+        "real_tokens": torch.tensor(total),
+    }
+    if items[0].rejected is None:
+        batch["desirable"] = torch.tensor([e.desirable for e in items])
+    if items[0].reference is not None:
+        batch["ref_logps"] = torch.tensor([e.reference[0] for e in items] + [e.reference[1] for e in items])
+    return batch
+
+
+def preference_collate(pad_id: int, flat: bool) -> Callable[[list[PreferenceExample]], dict[str, Any]]:
+    """The collate function of `hardware.padding_free` (flat) or padded rows."""
+    return functools.partial(collate_flat_preference if flat else collate_preference, pad_id=pad_id)
+
+
 class PreferenceDataModule(L.LightningDataModule):
     """The preference splits, batched by examples (pairs, or KTO's labelled completions) in a seeded order that a
-    resumed run continues from its position; validation in split order. Padded rows: a pair's two completions are
-    scored apart, so nothing is laid end to end."""
+    resumed run continues from its position; validation in split order. Each completion is a row of its own (a
+    pair's two are scored apart): padded rows, or with `flat` the micro-batch's rows end to end in one."""
 
     def __init__(
         self,
@@ -290,11 +357,13 @@ class PreferenceDataModule(L.LightningDataModule):
         unpaired: bool,
         num_workers: int = 0,
         step_micro_batches: int = 1,
+        flat: bool = False,
     ):
         """`step_micro_batches`: the micro-batches of one optimiser step, all ranks together (what `data.group_by_length`
-        sorts pairs within)."""
+        sorts pairs within). `flat`: each micro-batch's rows laid end to end without padding
+        (`collate_flat_preference`), training and validation alike."""
         super().__init__()
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.padding_free = cfg, tokenizer, flat
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
         self.unpaired, self.step_micro_batches = unpaired, step_micro_batches
         self.train_set, self.val_set, counts = preference_splits(cfg, tokenizer, unpaired)
@@ -369,7 +438,7 @@ class PreferenceDataModule(L.LightningDataModule):
         return DataLoader(
             self.train_set,
             batch_sampler=stream,
-            collate_fn=functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id),
+            collate_fn=preference_collate(self.tokenizer.pad_token_id, self.padding_free),
             num_workers=self.num_workers,
         )
 
@@ -379,6 +448,6 @@ class PreferenceDataModule(L.LightningDataModule):
             self.val_set,
             batch_size=self.micro_batch_size,
             sampler=ShardSampler(len(self.val_set), rank, world),
-            collate_fn=functools.partial(collate_preference, pad_id=self.tokenizer.pad_token_id),
+            collate_fn=preference_collate(self.tokenizer.pad_token_id, self.padding_free),
             num_workers=self.num_workers,
         )

@@ -540,19 +540,24 @@ def compile_problem(env: Environment) -> str | None:
 
 
 def _resolve_preference_batches(cfg: TrainConfig, notes: list[str]) -> None:
-    """A preference objective's micro-batch is padded rows (exp.data.preference): each completion in its own row
-    beside its pair's, scored apart. `hardware.padding_free` (on in hardware=gpu) would lay examples end to end in
-    token-budget micro-batches, which a pair's two rows cannot be: it is turned off, with a note, before the choices
-    that depend on it (the attention kernel, the micro-batch's token budget, the memory estimate)."""
+    """A preference micro-batch is `hardware.micro_batch_size` pairs (KTO: examples), each completion a row of its
+    own scored apart. With `hardware.padding_free` (on in hardware=gpu) the micro-batch's rows are laid end to end in
+    one row (exp.data.preference.collate_flat_preference), without a token budget: the pairs per micro-batch stay
+    what the memory estimate of padded rows sized, and the rows cost their real tokens. Eager attention (Gemma 2's,
+    for its softcapping) would compute every query-key pair of that one long row, so it keeps padded rows, with a
+    note, before the choices that depend on it (the attention kernel, the memory estimate)."""
     hw = cfg.hardware
     if not cfg.objective.preference or not hw.padding_free:
         return
-    hw.padding_free, hw.micro_batch_tokens = False, None
+    hw.micro_batch_tokens = None
+    if cfg.model.attn_implementation != "eager":
+        return
+    hw.padding_free = False
     notes.append(
-        f"objective={cfg.objective.kind.value}: hardware.padding_free=true is not used. A preference micro-batch "
-        f"keeps each completion in its own padded row beside its pair (hardware.micro_batch_size="
-        f"{hw.micro_batch_size} pairs are {2 * hw.micro_batch_size} rows, plus a reference forward for DPO and KTO), "
-        "so micro-batches are padded rows of pairs; set hardware.padding_free=false to silence this note"
+        f"objective={cfg.objective.kind.value} with eager attention (model.attn_implementation=eager): "
+        f"hardware.padding_free=true is not used. A micro-batch's {2 * hw.micro_batch_size} completion rows laid end "
+        "to end would make eager attention score every token of the row against every other, so they stay padded "
+        "rows; set hardware.padding_free=false to silence this note"
     )
 
 
@@ -765,7 +770,7 @@ def _fit_micro_batch(cfg: TrainConfig, budget: _Budget, shards: int, auto_layers
     if per_device < 1 or t.global_batch_size % cfg.data_parallel_size:
         return  # the batch checks explain it
     seq = cfg.data.max_seq_len
-    if hw.padding_free and not cfg.data.packing and hw.micro_batch_tokens is None:
+    if hw.padding_free and not cfg.data.packing and not cfg.objective.preference and hw.micro_batch_tokens is None:
         _fit_token_budget(cfg, budget, shards, auto_layers, notes)
         return
     divisors = [m for m in range(per_device, 0, -1) if per_device % m == 0]

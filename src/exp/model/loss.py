@@ -76,11 +76,11 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class HeadInputs:
     """What the output head sees for a batch, flattened to rows: the decoder's last hidden states [N, H] and the
-    next-token targets [N] (IGNORE_INDEX where no loss is taken), both on the head's device, with its weight and
-    softcap."""
+    next-token targets [N] (IGNORE_INDEX where no loss is taken; None for a batch without labels), both on the
+    head's device, with its weight and softcap."""
 
     hidden: torch.Tensor
-    targets: torch.Tensor
+    targets: torch.Tensor | None
     weight: torch.Tensor
     softcap: float | None
 
@@ -93,11 +93,13 @@ def head_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> HeadInputs:
     weight = lm.get_output_embeddings().weight
     # Position t predicts token t+1: pad the labels by one IGNORE on the right and shift, as transformers'
     # ForCausalLMLoss does, so the hidden states need no (copying) slice.
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    # Without labels (the caller lays the hidden states out itself: exp.training.objectives) there are no targets.
+    labels = batch.get("labels")
+    targets = None if labels is None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1)
     # Model parallelism puts the head on the first GPU and the last layers elsewhere: meet where the head is.
     return HeadInputs(
         hidden=hidden.reshape(-1, hidden.shape[-1]).to(weight.device),
-        targets=targets.reshape(-1).to(weight.device),
+        targets=None if targets is None else targets.to(weight.device),
         weight=weight,
         softcap=getattr(lm.config, "final_logit_softcapping", None),
     )

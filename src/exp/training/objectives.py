@@ -45,17 +45,40 @@ from exp.model.preference import (
 from exp.model.reference import reference_pass
 
 
+# What the decoder reads of a preference batch: padded rows (attention mask), or flat rows (position ids and
+# sequence boundaries, exp.data.preference.collate_flat_preference).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+
+
+def _as_rows(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A per-position tensor of the forward ([N, T, ...] or the flat [T, ...]) as the batch's rows: flat rows
+    gather each completion's positions (`row_index`), padded rows are themselves."""
+    if "row_index" in batch:
+        return x.reshape(-1, *x.shape[-1:])[batch["row_index"].to(x.device)]
+    return x.reshape(*batch["labels"].shape, -1)
+
+
 def row_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed completion log-probability and its completion token count (without the full logits
     unless the loss implementation is transformers' own)."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
     if impl == LossImpl.hf:
-        logits = model(**inputs, use_cache=False).logits
+        logits = _as_rows(model(**_model_inputs(batch), use_cache=False).logits, batch)
         return sequence_logps(logits, batch["labels"].to(logits.device))
-    h = head_inputs(model, {**inputs, "labels": batch["labels"]})
-    rows, length = batch["labels"].shape
-    hidden = h.hidden.reshape(rows, length, -1)
-    return chunked_sequence_logps(hidden, h.weight, batch["labels"].to(hidden.device), h.softcap)
+    hidden, weight, labels, softcap = _rows_hidden(model, batch)
+    return chunked_sequence_logps(hidden, weight, labels, softcap)
+
+
+def _rows_hidden(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]:
+    """The rows' hidden states before the head [N, T, H], the head's weight, the labels (on the head's device) and
+    the final-logit softcap."""
+    h = head_inputs(model, _model_inputs(batch))
+    return _as_rows(h.hidden, batch), h.weight, batch["labels"].to(h.weight.device), h.softcap
 
 
 @contextlib.contextmanager
@@ -131,13 +154,11 @@ def preference_loss(
 
 
 def _hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' hidden states before the head [N, T, H], the head's weight and the labels, on the head's device."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
-    h = head_inputs(model, {**inputs, "labels": batch["labels"]})
-    if h.softcap is not None:  # the plan never picks liger here (preference_liger_gap): a cap would be dropped
+    """`_rows_hidden` for liger's losses, which have no softcap."""
+    hidden, weight, labels, softcap = _rows_hidden(model, batch)
+    if softcap is not None:  # the plan never picks liger here (preference_liger_gap): a cap would be dropped
         raise ValueError("liger's preference losses do not softcap the final logits")
-    rows, length = batch["labels"].shape
-    return h.hidden.reshape(rows, length, -1), h.weight, batch["labels"].to(h.weight.device)
+    return hidden, weight, labels
 
 
 def fused_preference_loss(
