@@ -23,8 +23,8 @@ import dataclasses
 import functools
 import logging
 import random
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -40,8 +40,8 @@ from exp.data.batching import (
     shuffled_batches,
     step_sorted_batches,
 )
-from exp.data.padding_free import PAD_MULTIPLE
 from exp.data.formats import CHAT_ROLES, BadRow, _apply, format_prompt
+from exp.data.padding_free import PAD_MULTIPLE
 from exp.data.sources import read_source
 from exp.data.splits import split_rows
 from exp.data.synthetic import WORDS, generate_examples

@@ -44,10 +44,17 @@ from exp.model.preference import (
 )
 from exp.model.reference import reference_pass
 
-
 # What the decoder reads of a preference batch: padded rows (attention mask), or flat rows (position ids and
 # sequence boundaries, exp.data.preference.collate_flat_preference).
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
