@@ -289,15 +289,15 @@ def test_the_reference_forward_can_be_the_peak():
     assert with_ref.logits_and_loss > 0
 
 
-def test_preflight_turns_padding_free_off_for_pairs_and_says_so():
+def test_preflight_keeps_pairs_padding_free_without_a_token_budget():
     from exp.hardware.preflight import Environment, check
 
     cpu_twin = check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu", "objective=dpo"]), Environment())
     assert cpu_twin.ok, cpu_twin.findings
-    assert cpu_twin.cfg.hardware.padding_free is False
-    assert any("objective=dpo: hardware.padding_free=true is not used" in n for n in cpu_twin.notes)
+    assert cpu_twin.cfg.hardware.padding_free is True and cpu_twin.cfg.hardware.micro_batch_tokens is None
+    assert not any("is not used" in n for n in cpu_twin.notes)
     sft = check(compose_typed(["hardware=gpu", "hardware.accelerator=cpu"]), Environment())
-    assert sft.cfg.hardware.padding_free is True and not any("is not used" in n for n in sft.notes)
+    assert sft.cfg.hardware.padding_free is True
 
 
 def test_auto_micro_batch_counts_pairs_as_two_rows():
@@ -310,7 +310,7 @@ def test_auto_micro_batch_counts_pairs_as_two_rows():
     sft = check(compose_typed([*base, "hardware.padding_free=false"]), env)
     dpo = check(compose_typed([*base, "objective=dpo"]), env)
     assert sft.ok and dpo.ok, (sft.findings, dpo.findings)
-    assert dpo.cfg.hardware.padding_free is False and dpo.cfg.hardware.micro_batch_tokens is None
+    assert dpo.cfg.hardware.padding_free is True and dpo.cfg.hardware.micro_batch_tokens is None
     assert dpo.cfg.hardware.micro_batch_size < sft.cfg.hardware.micro_batch_size
     assert estimate_for_config(dpo.cfg).total <= 60 * 2**30
 
