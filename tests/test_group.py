@@ -264,7 +264,21 @@ def test_jobs_group_by_what_their_base_depends_on():
     ]
     shared = shared_config([base, same[0]])
     assert shared.hardware.micro_batch_size == 2 * base.hardware.micro_batch_size
-    assert shared.lora.r == 32 and shared.hardware.compile is False and shared.hardware.padding_free is False
+    assert shared.lora.r == 8 + 32 and shared.hardware.compile is False and shared.hardware.padding_free is False
+
+
+def test_a_groups_estimate_counts_every_jobs_adapter_state():
+    """Eight Gemma-7B-shape jobs of rank 16 on every projection: their adapters' weights, gradients and AdamW state
+    are eight times one job's, and the group's estimate holds them all (plus the stacked products' activations)."""
+    from exp.hardware.memory import config_arch, estimate_for_config, lora_param_count
+
+    jobs = [compose_typed(["model=gemma_7b", "hardware=cpu", "lora.r=16", f"trainer.seed={s}"]) for s in range(8)]
+    jobs[0].lora.rank_pattern = {"q_proj": 32}
+    alone, group = estimate_for_config(jobs[0]), estimate_for_config(shared_config(jobs))
+    one = lora_param_count(config_arch(jobs[0]), 16, jobs[0].lora.target_modules)
+    # fp32 weights, gradients and two AdamW moments of the seven other jobs at least.
+    assert group.total - alone.total >= 7 * one * 16
+    assert shared_config(jobs).lora.r == 32 + 7 * 16
 
 
 def test_a_bad_precision_for_a_group_is_refused():

@@ -64,8 +64,8 @@ def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
     laid end to end in one row (exp.study.group_fit). Each job keeps its micro-batch and token budget
     (`with_micro_batch`; no auto_micro_batch: the jobs' parts must line up); the preflight resolves what remains
     `auto` (recomputed and kept-dequantized layers) for all the parts of a group step, so the group's choices fit
-    the group, within the sum of the jobs' memory budgets where each sets one. The largest adapter stands for the
-    adapters' memory."""
+    the group, within the sum of the jobs' memory budgets where each sets one. `lora` is what the memory estimate
+    reads (the model takes each job's own): one adapter as large as all of the jobs' together."""
     cfg = copy.deepcopy(cfgs[0])
     hw = cfg.hardware
     hw.compile = False
@@ -79,8 +79,13 @@ def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
     budgets = [c.hardware.memory_budget_gib for c in cfgs]
     hw.memory_budget_gib = None if None in budgets else round(sum(budgets), 2)
     cfg.trainer.global_batch_size = sum(c.trainer.global_batch_size for c in cfgs)
-    widest = max(cfgs, key=lambda c: c.lora.r * len(c.lora.target_modules))
+    # The estimate's adapter stands for all of them: the widest targets at the sum of the jobs' largest ranks. Every
+    # job's weights, gradients and AdamW state are counted (8 jobs of rank 16 on every Gemma-7B projection hold 6 GB
+    # of them), and so is the stacked product's saved [tokens, sum of ranks] per layer (exp.model.adapters).
+    widest = max(cfgs, key=lambda c: len(c.lora.target_modules))
     cfg.lora = copy.deepcopy(widest.lora)
+    cfg.lora.r = sum(max([c.lora.r, *c.lora.rank_pattern.values()]) for c in cfgs)
+    cfg.lora.rank_pattern, cfg.lora.alpha_pattern = {}, {}
     return cfg
 
 
