@@ -110,13 +110,16 @@ def _losses(model, batches, cfg):
         return [preference_loss(model, b, cfg.objective, LossImpl.hf) for b in batches]
 
 
-@pytest.mark.parametrize("reference", ["start", "base"])
-def test_precomputed_reference_gives_the_losses_of_the_per_step_pass(start_adapter, reference):
+@pytest.mark.parametrize(("reference", "padding_free"), [("start", False), ("base", False), ("base", True)])
+def test_precomputed_reference_gives_the_losses_of_the_per_step_pass(start_adapter, reference, padding_free):
+    """Also in padding-free rows, which the reference is then scored in too."""
     from exp.core.config import LossImpl
     from exp.training.reference import precompute_reference
 
-    cfg = compose_typed(["objective=dpo", f"model.adapter={start_adapter}", f"objective.reference={reference}", *PAIRS])
+    cfg = compose_typed(["objective=dpo", f"model.adapter={start_adapter}", f"objective.reference={reference}", *PAIRS,
+                         f"hardware.padding_free={str(padding_free).lower()}"])  # fmt: skip
     model, datamodule = _scored(cfg)
+    assert "row_index" in datamodule.train_dataloader().collate_fn(datamodule.train_set[:2]) if padding_free else True
     batches = [datamodule.train_dataloader().collate_fn(datamodule.train_set[i::5][:4]) for i in range(3)]
     batches.append(next(iter(datamodule.val_dataloader())))
     per_step = _losses(model, batches, cfg)

@@ -28,7 +28,7 @@ from torch import nn
 
 from exp.core.cache import cache_dir, ensure_entry, entry_problem, file_sha256
 from exp.core.config import LossImpl, Reference, TrainConfig
-from exp.data.preference import PreferenceDataModule, PreferenceExample, collate_preference
+from exp.data.preference import PreferenceDataModule, PreferenceExample, preference_collate
 from exp.run.compose import config_dict
 from exp.training.objectives import reference_logps
 
@@ -85,6 +85,7 @@ def reference_fingerprint(
         if adapter
         else None,
         "micro_batch_size": cfg.hardware.micro_batch_size,
+        "padding_free": cfg.hardware.padding_free,
         "train": _examples_digest(train),
         "val": _examples_digest(val),
         "v": REFERENCE_VERSION,
@@ -101,14 +102,17 @@ def score_pairs(
     device: torch.device,
     rank: int = 0,
     world: int = 1,
+    flat: bool = False,
 ) -> dict[int, tuple[float, float]]:
     """The reference's (chosen, rejected) log-probabilities of the pairs in this rank's micro-batches (every
-    world-th, in split order), by example index."""
+    world-th, in split order), by example index, in training's layout (`flat`: padding-free rows), so that its
+    rounding is the training step's."""
     out: dict[int, tuple[float, float]] = {}
+    collate = preference_collate(pad_id, flat)
     for start in range(rank * batch_size, len(examples), world * batch_size):
         items = examples[start : start + batch_size]
-        batch = collate_preference(items, pad_id)
-        batch = {k: v.to(device) for k, v in batch.items() if k != "ref_logps"}
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate(items).items()}
+        batch.pop("ref_logps", None)
         logps = reference_logps(model, batch, impl).float().tolist()
         n = len(items)
         out.update({start + i: (logps[i], logps[n + i]) for i in range(n)})
@@ -144,10 +148,14 @@ def precompute_reference(
     else:
         size, pad = datamodule.micro_batch_size, datamodule.tokenizer.pad_token_id
         with torch.no_grad():
-            train_values = _all_ranks(
-                score_pairs(model, train, size, pad, impl, device, rank, world), len(train), gather
+            train_values, val_values = (
+                _all_ranks(
+                    score_pairs(model, split, size, pad, impl, device, rank, world, datamodule.padding_free),
+                    len(split),
+                    gather,
+                )
+                for split in (train, val)
             )
-            val_values = _all_ranks(score_pairs(model, val, size, pad, impl, device, rank, world), len(val), gather)
         if rank == 0:
 
             def write(tmp: Path) -> None:
