@@ -66,7 +66,7 @@
 #   dpo7b        exp.bench objective=dpo, Gemma-7B shape, real pairs from $EXP_ALPACA (default .whl/alpaca_en_demo.json:
 #                each example's output chosen, another's rejected), data.max_seq_len 1024 per side, $PREF_MICRO_BATCH (8)
 #                pairs a step, 30 steps: the hand-written HF + PEFT + bitsandbytes DPO loop (reference: adapter off),
-#                then exp within its peak (liger's chunked DPO loss)
+#                then exp within its peak (liger's chunked DPO loss); learning rate $PREF_LR (5e-6)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
 #   dpo7bfloor   dpo7b's pairs, 12 steps, with two more hand-written loops of the same math and other numerics
 #                (`baseline prepare=false`: bf16 norms and embedding as exp's; `baseline compile=true`): how far
@@ -153,6 +153,10 @@ wait_gpu_released() {
   [ $waited -eq 0 ] || log "waited $waited s for the last stage's processes to release the GPU"
 }
 BENCH=(python3 -m exp.bench out_dir="$WORK/bench")
+# The preference stages' learning rate: a preference one (TRL's DPOConfig default is 1e-6 for full weights, LoRA DPO
+# recipes take 5e-6 to 5e-5). At the bench's SFT rate of 1e-4 the random-weight 7B's DPO loss swings between 0.3 and
+# 7.7 within 30 steps (benchmarks/results/preference_h200_20261206), where two runs part from rounding alone.
+PREF_LR=${PREF_LR:-5e-6}
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
@@ -306,10 +310,10 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
     dpo7b|orpo7b)
       objective=${1%7b}; steps=30; [ "$objective" = orpo ] && steps=${ORPO_STEPS:-30}
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
-        steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
+        lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
-        steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \
+        lr=$PREF_LR steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \
         "variant=baseline compile=true" variant=exp ;;
     preftests)
       stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
