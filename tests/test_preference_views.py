@@ -224,11 +224,13 @@ def test_report_tabulates_preference_metrics_and_ranks_accuracy_highest_first(dp
 
 @pytest.mark.slow
 def test_kto_evaluate_equals_its_validation(tmp_path):
-    """KTO's reference point is estimated within a batch: evaluate batches as validation does."""
+    """KTO's reference point is estimated within a batch: evaluate batches as validation does, in the run's layout
+    (padding-free rows here; the DPO run above is padded)."""
     from exp.evaluate import evaluate
     from exp.train import run
 
-    result = run(["objective=kto", "logger=csv", *SHORT], output_dir=tmp_path / "kto")
+    result = run(["objective=kto", "logger=csv", "hardware.padding_free=true", *SHORT], output_dir=tmp_path / "kto")
+    assert "padding_free: true" in (result.output_dir / "config.yaml").read_text()
     report = evaluate([f"run={result.output_dir}"])
     for k in ("loss", *RATES):
         assert report[k] == pytest.approx(result.final_val[f"val/{k}"], rel=1e-5, abs=1e-6), k

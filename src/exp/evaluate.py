@@ -37,7 +37,7 @@ from exp.core.cli import Key, Tool
 from exp.core.config import ConfigError, DataConfig, DataFormat, LossImpl, Objective, ObjectiveConfig
 from exp.data.batching import collate
 from exp.data.encoding import Encoded
-from exp.data.preference import all_preference_examples, collate_preference, preference_splits
+from exp.data.preference import all_preference_examples, preference_collate, preference_splits
 from exp.data.splits import all_examples, build_splits, validation_source
 from exp.model.loss import resolve_loss_impl
 from exp.model.metrics import add_sums, batch_response_metrics, validation_rates
@@ -219,7 +219,13 @@ def score(model: Any, loader: DataLoader, device: torch.device, impl: LossImpl) 
 
 
 def build_preference_loader(
-    cfg: DataConfig, tokenizer: Any, batch_size: int, objective: ObjectiveConfig, whole: bool, key: str = "data"
+    cfg: DataConfig,
+    tokenizer: Any,
+    batch_size: int,
+    objective: ObjectiveConfig,
+    whole: bool,
+    key: str = "data",
+    flat: bool = False,
 ) -> DataLoader:
     """The run's held-out pairs (KTO: labelled completions) as its validation drew them, or (`whole`) every usable
     row of a dataset, in order, batched as validation batches them (KTO's reference point is estimated within a
@@ -229,8 +235,8 @@ def build_preference_loader(
         examples = all_preference_examples(cfg, tokenizer, key)
     else:
         examples = preference_splits(cfg, tokenizer, unpaired)[1]
-    pad = functools.partial(collate_preference, pad_id=tokenizer.pad_token_id)
-    return DataLoader(examples, batch_size=batch_size, shuffle=False, collate_fn=pad)
+    collate = preference_collate(tokenizer.pad_token_id, flat)
+    return DataLoader(examples, batch_size=batch_size, shuffle=False, collate_fn=collate)
 
 
 @torch.no_grad()
@@ -240,7 +246,7 @@ def score_preference(
     """A preference objective's validation metrics over the loader's pairs: training's validation step and rates."""
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         add_sums(sums, preference_loss(model, batch, objective, impl)[1])
     return {**preference_split_rates(sums), "pairs": int(sums["pairs"])}
 
@@ -285,7 +291,10 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     # The logits as the run's training loss computed them: in chunks unless its head or strategy rules that out.
     impl = resolve_loss_impl(loaded.cfg, loaded.model, loaded.device).impl
     if objective.preference:
-        loader = build_preference_loader(data_cfg, loaded.tokenizer, batch_size, objective, whole, key)
+        # In the run's layout (padding-free rows or padded), as its validation scored them.
+        loader = build_preference_loader(
+            data_cfg, loaded.tokenizer, batch_size, objective, whole, key, loaded.cfg.hardware.padding_free
+        )
         scores = {
             "objective": objective.kind.value,
             **score_preference(loaded.model, loader, loaded.device, impl, objective),
