@@ -150,25 +150,73 @@ def short_run(tmp_path_factory: pytest.TempPathFactory):
     return run(SHORT, output_dir=out)
 
 
-@pytest.fixture(scope="session")
-def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+class DefaultRun:
     """The README's default run, `python -m exp.train` with no override but the run directory, as a user on a
-    machine that never ran `wandb login` launches it: no WANDB_* variable, a HOME with no ~/.netrc, an empty launch
-    directory. One run (minutes on a CPU) for the tests that check what it learns and how it tracks: (the process,
-    its run directory, the directory it was launched from)."""
-    root = tmp_path_factory.mktemp("default_run")
-    launch, home, run_dir = root / "launch", root / "home", root / "run"
-    launch.mkdir()
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env["HOME"] = str(home)
-    proc = subprocess.run(
-        [sys.executable, "-m", "exp.train", f"hydra.run.dir={run_dir}"],
-        cwd=launch,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard, not a speed check: the run takes minutes, longer on a busy machine
-    )
-    return proc, run_dir, launch
+    fresh machine that never ran `wandb login` launches it: no WANDB_* variable, a HOME with no ~/.netrc, an empty
+    launch directory, an empty cache of its own.
+
+    It takes minutes of one core, and it reads nothing the other tests make: it starts in the background as soon as
+    the tests are collected (at the lowest CPU priority, so it takes only the CPU time they leave idle), and the
+    tests that read it run last (`pytest_collection_finish`). Its output goes to files, which never fill up as an
+    unread pipe would. Its own cache keeps it from building entries in the one the other tests share (some check
+    that no half-built entry is left there).
+    """
+
+    def __init__(self, root: Path):
+        self.launch, self.run_dir, home, cache = root / "launch", root / "run", root / "home", root / "cache"
+        for d in (self.launch, home, cache):
+            d.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+        env.update(HOME=str(home), EXP_CACHE=str(cache))
+        self.out, self.err = root / "stdout.txt", root / "stderr.txt"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "exp.train", f"hydra.run.dir={self.run_dir}"],
+                cwd=self.launch,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                text=True,
+                preexec_fn=lambda: os.nice(19),
+            )
+
+    def result(self) -> tuple[subprocess.CompletedProcess, Path, Path]:
+        """(The process, its run directory, the directory it was launched from), once it has ended."""
+        # A hang guard, not a speed check: the run takes minutes, longer on a busy machine.
+        returncode = self.proc.wait(timeout=1800)
+        proc = subprocess.CompletedProcess(
+            self.proc.args, returncode, self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+        )
+        return proc, self.run_dir, self.launch
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_default_run: DefaultRun | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    global _default_run
+    readers = [item for item in session.items if "default_run" in getattr(item, "fixturenames", ())]
+    if not readers or session.config.option.collectonly:
+        return
+    # Stable: every other test keeps its place, the readers keep theirs among themselves.
+    session.items.sort(key=lambda item: "default_run" in getattr(item, "fixturenames", ()))
+    _default_run = DefaultRun(session.config._tmp_path_factory.mktemp("default_run"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _default_run is not None:  # the session stopped before its readers ran (-x, Ctrl-C)
+        _default_run.stop()
+
+
+@pytest.fixture(scope="session")
+def default_run() -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The README's default run (`DefaultRun`), started when the tests were collected: (the process, its run
+    directory, the directory it was launched from), for the tests that check what it learns and how it tracks."""
+    assert _default_run is not None, "started by pytest_collection_finish for every session that selects a reader"
+    return _default_run.result()

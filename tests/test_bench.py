@@ -89,16 +89,32 @@ def real_data_bench(out: Path) -> tuple[Path, subprocess.CompletedProcess, subpr
     return out, whole, part
 
 
+def preference_bench(out: Path, objective: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """Preference mode on pairs made from a small Alpaca file: the baseline and exp (dpo: and exp's chunked loss)."""
+    data = tiny_alpaca(out / "tiny_alpaca.json")
+    variants = ["variant=baseline", "variant=exp"]
+    if objective == "dpo":
+        variants.append("variant=exp hardware.loss_impl=chunked")
+    proc = run_bench(out, "model=gemma_tiny", "seq=64", "micro_batch=4", "steps=3", "warmup=1",
+                     f"objective={objective}", f"data={data}", *variants)  # fmt: skip
+    return out, proc
+
+
+PREFERENCE_OBJECTIVES = ["dpo", "orpo"]
+
+
 @pytest.fixture(scope="module")
 def benches(request, tmp_path_factory) -> Together:
-    """The two CPU bench invocations (each a process per variant, mostly imports), side by side."""
+    """The CPU bench invocations (each a process per variant, mostly imports), side by side."""
     steps = {
         "smoke": partial(smoke_bench, tmp_path_factory.mktemp("smoke")),
         "real-data": partial(real_data_bench, tmp_path_factory.mktemp("real_data")),
+        **{o: partial(preference_bench, tmp_path_factory.mktemp(o), o) for o in PREFERENCE_OBJECTIVES},
     }
     uses = {
         "smoke": ["test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses"],
         "real-data": ["test_bench_real_data_mode_trains_both_sides_on_the_same_examples"],
+        **{o: [f"test_bench_preference_mode_trains_both_sides_on_the_same_pairs[{o}]"] for o in PREFERENCE_OBJECTIVES},
     }
     with Together(request, steps, uses) as together:
         yield together
@@ -459,19 +475,14 @@ def tiny_alpaca(path: Path, n: int = 60) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
-def test_bench_preference_mode_trains_both_sides_on_the_same_pairs(tmp_path, objective):
+@pytest.mark.parametrize("objective", PREFERENCE_OBJECTIVES)
+def test_bench_preference_mode_trains_both_sides_on_the_same_pairs(benches, objective):
     """`objective=dpo|orpo` on the CPU (the code path of the GPU figure, not a speed claim): pairs made from the
     Alpaca file, the hand-written loop (reference: its adapter off) and exp's fit on the same pairs every step, with
     the same losses, the same LoRA init, pairs/s reported; exp's own chunked loss too."""
     from exp.bench.pairs import read_rows
 
-    data = tiny_alpaca(tmp_path / "tiny_alpaca.json")
-    variants = ["variant=baseline", "variant=exp"]
-    if objective == "dpo":
-        variants.append("variant=exp hardware.loss_impl=chunked")
-    proc = run_bench(tmp_path, "model=gemma_tiny", "seq=64", "micro_batch=4", "steps=3", "warmup=1",
-                     f"objective={objective}", f"data={data}", *variants)  # fmt: skip
+    tmp_path, proc = benches.get(objective)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report, md = read_report(tmp_path)
     assert report["settings"]["objective"] == objective

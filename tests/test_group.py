@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,17 +48,19 @@ PADDING_FREE = ["hardware.padding_free=true"]
 DIVERGING = ["lora.r=4", "trainer.learning_rate=1e30", "trainer.max_grad_norm=0"]
 
 
-def _group(
-    dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None = None, common: list[str] = COMMON
-) -> int:
-    """Run `python -m exp.study.group_worker` on fresh run directories of these configs; SIGKILL it once every job's
-    checkpoint `kill_at` is there (the jobs save one after another)."""
+def _group_dirs(dirs_and_overrides: list[tuple[Path, list[str]]], common: list[str] = COMMON) -> list[str]:
+    """Fresh run directories of these configs, for one `python -m exp.study.group_worker`. Composed in the calling
+    thread: Hydra's compose state is one per process."""
     dirs = []
     for d, overrides in dirs_and_overrides:
         run_dir = claim_run_dir(d)
         write_run_config(compose_config(common + overrides), run_dir)
         release_run(run_dir)
         dirs.append(str(run_dir))
+    return dirs
+
+
+def _run_group(dirs: list[str], kill_at: str | None = None) -> int:
     proc = subprocess.Popen([sys.executable, "-m", "exp.study.group_worker", *dirs], stderr=subprocess.PIPE, text=True)
     if kill_at is not None:
         targets = [Path(d) / "checkpoints" / kill_at for d in dirs]
@@ -67,6 +70,21 @@ def _group(
     _, err = proc.communicate()
     assert kill_at is not None or proc.returncode == 0, err[-2000:]
     return proc.returncode
+
+
+def _group(
+    dirs_and_overrides: list[tuple[Path, list[str]]], kill_at: str | None = None, common: list[str] = COMMON
+) -> int:
+    """Run `python -m exp.study.group_worker` on fresh run directories of these configs; SIGKILL it once every job's
+    checkpoint `kill_at` is there (the jobs save one after another)."""
+    return _run_group(_group_dirs(dirs_and_overrides, common), kill_at)
+
+
+def _groups_side_by_side(*groups: tuple[list[str], str | None]) -> list[int]:
+    """`_run_group` of each (directories, kill_at), at once: a group worker spends most of its life importing on one
+    core, and none of these reads another's directories."""
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        return list(pool.map(lambda group: _run_group(*group), groups))
 
 
 def _rows(run_dir: Path) -> list[dict[str, str]]:
@@ -93,12 +111,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from exp.train import run
 
     out = tmp_path_factory.mktemp("group")
-    for i, job in enumerate(JOBS):
-        run(COMMON + job, output_dir=out / f"alone{i}")
-        run(COMMON + PADDING_FREE + job, output_dir=out / f"alone_flat{i}")
-    _group([(out / f"group{i}", job) for i, job in enumerate(JOBS)])
-    _group([(out / f"group_flat{i}", job) for i, job in enumerate(JOBS)], common=COMMON + PADDING_FREE)
-    _group([(out / f"mixed{i}", job) for i, job in enumerate([*JOBS, DIVERGING])])
+    groups = [
+        _group_dirs([(out / f"group{i}", job) for i, job in enumerate(JOBS)]),
+        _group_dirs([(out / f"group_flat{i}", job) for i, job in enumerate(JOBS)], common=COMMON + PADDING_FREE),
+        _group_dirs([(out / f"mixed{i}", job) for i, job in enumerate([*JOBS, DIVERGING])]),
+    ]
+    # The group workers (processes, mostly imports) go on while this process trains the jobs alone.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        workers = [pool.submit(_run_group, dirs) for dirs in groups]
+        for i, job in enumerate(JOBS):
+            run(COMMON + job, output_dir=out / f"alone{i}")
+            run(COMMON + PADDING_FREE + job, output_dir=out / f"alone_flat{i}")
+        for worker in workers:
+            worker.result()
     return out
 
 
@@ -191,8 +216,9 @@ def test_a_killed_group_continues_bitwise(tmp_path):
     from safetensors.torch import load_file
 
     jobs = [[*JOBS[0], "lora.dropout=0.1"], JOBS[1]]
-    _group([(tmp_path / "u" / f"job{i}", j) for i, j in enumerate(jobs)])
-    rc = _group([(tmp_path / "k" / f"job{i}", j) for i, j in enumerate(jobs)], kill_at="step-000002.ckpt")
+    uninterrupted = _group_dirs([(tmp_path / "u" / f"job{i}", j) for i, j in enumerate(jobs)])
+    killed = _group_dirs([(tmp_path / "k" / f"job{i}", j) for i, j in enumerate(jobs)])
+    _, rc = _groups_side_by_side((uninterrupted, None), (killed, "step-000002.ckpt"))
     assert rc == -signal.SIGKILL
     _group([(tmp_path / "k" / f"job{i}", [*j, "trainer.resume=auto"]) for i, j in enumerate(jobs)])
     for i in range(len(jobs)):
@@ -212,8 +238,9 @@ def test_a_job_continued_beside_a_fresh_one_reaches_its_result_within_rounding(t
     rounding."""
     from safetensors.torch import load_file
 
-    _group([(tmp_path / "u" / f"job{i}", j) for i, j in enumerate(JOBS[:2])])
-    assert _group([(tmp_path / "k" / "job0", JOBS[0])], kill_at="step-000002.ckpt") == -signal.SIGKILL
+    uninterrupted = _group_dirs([(tmp_path / "u" / f"job{i}", j) for i, j in enumerate(JOBS[:2])])
+    killed = _group_dirs([(tmp_path / "k" / "job0", JOBS[0])])
+    assert _groups_side_by_side((uninterrupted, None), (killed, "step-000002.ckpt"))[1] == -signal.SIGKILL
     _group([(tmp_path / "k" / "job0", [*JOBS[0], "trainer.resume=auto"]), (tmp_path / "k" / "job1", JOBS[1])])
     assert json.loads((tmp_path / "k" / "job0_1" / "resume.json").read_text())["step"] >= 2
     u = load_file(tmp_path / "u" / "job0" / "adapter" / "adapter_model.safetensors")
@@ -350,9 +377,12 @@ def test_the_gpu_configuration_on_the_cpu_groups_as_alone(tmp_path):
 
     twin = ["hardware=gpu", "hardware.accelerator=cpu", "trainer.global_batch_size=8", "hardware.micro_batch_size=4"]
     jobs = [[*twin, *JOBS[0]], [*twin, *JOBS[1]]]
-    for i, job in enumerate(jobs):
-        run(COMMON + job, output_dir=tmp_path / f"alone{i}")
-    _group([(tmp_path / f"group{i}", job) for i, job in enumerate(jobs)])
+    group = _group_dirs([(tmp_path / f"group{i}", job) for i, job in enumerate(jobs)])
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the group's process goes on while this one trains them alone
+        worker = pool.submit(_run_group, group)
+        for i, job in enumerate(jobs):
+            run(COMMON + job, output_dir=tmp_path / f"alone{i}")
+        worker.result()
     for i in range(len(jobs)):
         a, g = _val_losses(tmp_path / f"alone{i}"), _val_losses(tmp_path / f"group{i}")
         assert sorted(a) == sorted(g) == [0, 2, 4]

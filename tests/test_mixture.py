@@ -143,12 +143,11 @@ RUN = [
 def test_a_killed_mixture_run_resumes_the_exact_order(sources, tmp_path):
     """SIGKILL after step 4, `trainer.resume=auto`: every step's loss equals the uninterrupted run's bitwise (the
     mixed examples and their per-epoch order are a function of data.seed), and summary.json has the shares."""
-    from test_resume import cli, interrupted, losses
+    from test_resume import cli, losses, whole_and_killed
 
     mix = mixture(*sources)
-    whole = cli(tmp_path, *RUN, mix, "hydra.run.dir=whole")
+    whole, killed = whole_and_killed(tmp_path, "step-000004.ckpt", *RUN, mix)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000004.ckpt", *RUN, mix)
     assert killed.returncode == -signal.SIGKILL
     resumed = cli(tmp_path, *RUN, mix, "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -334,11 +334,10 @@ RESUME = [
 
 @pytest.mark.slow
 def test_a_killed_dpo_run_resumes_to_the_bitwise_identical_result(tmp_path):
-    from test_resume import adapter, cli, interrupted
+    from test_resume import adapter, cli, whole_and_killed
 
-    whole = cli(tmp_path, *RESUME, "hydra.run.dir=whole")
+    whole, killed = whole_and_killed(tmp_path, "step-000003.ckpt", *RESUME)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000003.ckpt", *RESUME)
     assert killed.returncode == -signal.SIGKILL
     resumed = cli(tmp_path, *RESUME, "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

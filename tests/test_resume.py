@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -72,6 +73,16 @@ def interrupted(cwd: Path, run_dir: str, sig: int, after: str, *overrides: str) 
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def whole_and_killed(cwd: Path, after: str, *overrides: str) -> tuple[subprocess.CompletedProcess, ...]:
+    """The uninterrupted run (`cwd/whole`) and the same run SIGKILLed once checkpoint `after` exists (`cwd/killed`),
+    side by side: neither reads the other, and each spends most of its life importing on one core. Returns once both
+    have ended, so that a `trainer.resume=auto` started next finds no run still going beside it."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        whole = pool.submit(cli, cwd, *overrides, "hydra.run.dir=whole")
+        killed = interrupted(cwd, "killed", signal.SIGKILL, after, *overrides)
+        return whole.result(), killed
 
 
 def losses(*run_dirs: Path) -> dict[int, float]:

@@ -125,12 +125,11 @@ RUN = [
 def test_a_killed_streaming_run_resumes_at_the_exact_position(files, tmp_path):
     """SIGKILL after step 12 (mid-epoch, the shuffle buffer full), `trainer.resume=auto`: every step's loss equals
     the uninterrupted run's bitwise."""
-    from test_resume import cli, interrupted, losses
+    from test_resume import cli, losses, whole_and_killed
 
     run = [*RUN, f"data.path={files[0]}"]
-    whole = cli(tmp_path, *run, "hydra.run.dir=whole")
+    whole, killed = whole_and_killed(tmp_path, "step-000012.ckpt", *run)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = interrupted(tmp_path, "killed", signal.SIGKILL, "step-000012.ckpt", *run)
     assert killed.returncode == -signal.SIGKILL
     resumed = cli(tmp_path, *run, "trainer.resume=auto", "hydra.run.dir=resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
