@@ -14,7 +14,13 @@ from test_gpu_objectives import CASES, _model
 from exp.core.config import DataConfig, DataFormat, LossImpl
 from exp.core.constants import IGNORE_INDEX
 from exp.data.padding_free import PAD_MULTIPLE
-from exp.data.preference import collate_flat_preference, collate_preference, encode_rows, flat_rows, synthetic_rows
+from exp.data.preference import (
+    collate_flat_preference,
+    collate_preference,
+    encode_rows,
+    preference_rows,
+    synthetic_rows,
+)
 from exp.hardware.preflight import Environment, Gpu, check
 from exp.model.build import build_tokenizer
 from exp.training.objectives import preference_loss
@@ -44,7 +50,7 @@ def _run(model, batch, cfg, impl: LossImpl):
 def test_the_flat_row_holds_every_completion_row_once_with_its_own_positions():
     cfg = compose_typed(["objective=dpo"])
     examples, pad = _examples(cfg, 4)
-    rows = flat_rows(examples)
+    rows = preference_rows(examples)
     batch = collate_flat_preference(examples, pad)
     total = sum(len(ids) for ids, _ in rows)
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]

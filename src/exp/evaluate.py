@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader
 
 from exp.core.cli import Key, Tool
@@ -246,7 +247,7 @@ def score_preference(
     """A preference objective's validation metrics over the loader's pairs: training's validation step and rates."""
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = move_data_to_device(batch, device)
         add_sums(sums, preference_loss(model, batch, objective, impl)[1])
     return {**preference_split_rates(sums), "pairs": int(sums["pairs"])}
 

@@ -263,7 +263,7 @@ def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str,
     """Paired examples: the chosen rows, then the rejected rows (2B rows, one forward). Unpaired (KTO): the examples'
     rows, then B rows of each prompt with the next example's completion (the mismatched pairs KTO's reference point
     is estimated from), and `desirable` [B]. Padded on the right, with an attention mask."""
-    rows = flat_rows(items)
+    rows = preference_rows(items)
     length = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
@@ -280,7 +280,7 @@ def collate_preference(items: list[PreferenceExample], pad_id: int) -> dict[str,
     return batch
 
 
-def flat_rows(items: list[PreferenceExample]) -> list[tuple[list[int], list[int]]]:
+def preference_rows(items: list[PreferenceExample]) -> list[tuple[list[int], list[int]]]:
     """The rows of `collate_preference`, in its order, as (ids, labels)."""
     if items[0].rejected is not None:
         return [_row(e.prompt, e.chosen) for e in items] + [_row(e.prompt, e.rejected) for e in items]
@@ -305,7 +305,7 @@ def collate_flat_preference(items: list[PreferenceExample], pad_id: int) -> dict
 
     The row is rounded up to PAD_MULTIPLE tokens with at least one padding token, a sequence of its own: a compiled
     model meets few distinct lengths, and every batch of B pairs has the same number of boundaries."""
-    rows = flat_rows(items)
+    rows = preference_rows(items)
     total = sum(len(ids) for ids, _ in rows)
     width = -(-(total + 1) // PAD_MULTIPLE) * PAD_MULTIPLE
     ids = torch.full((1, width), pad_id, dtype=torch.long)

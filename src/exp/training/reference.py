@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -111,7 +112,7 @@ def score_pairs(
     collate = preference_collate(pad_id, flat)
     for start in range(rank * batch_size, len(examples), world * batch_size):
         items = examples[start : start + batch_size]
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate(items).items()}
+        batch = move_data_to_device(collate(items), device)
         batch.pop("ref_logps", None)
         logps = reference_logps(model, batch, impl).float().tolist()
         n = len(items)
