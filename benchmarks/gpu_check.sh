@@ -67,6 +67,8 @@
 #                each example's output chosen, another's rejected), data.max_seq_len 1024 per side, $PREF_MICRO_BATCH (8)
 #                pairs a step, 30 steps: the hand-written HF + PEFT + bitsandbytes DPO loop (reference: adapter off),
 #                then exp within its peak (liger's chunked DPO loss); learning rate $PREF_LR (5e-6)
+#                ($PREF_REFERENCE: an earlier result JSON of the same settings and card, whose baseline row stands in
+#                for running the loop again)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
 #   dpo7bfloor   dpo7b's pairs, 12 steps, with two more hand-written loops of the same math and other numerics
 #                (`baseline prepare=false`: bf16 norms and embedding as exp's; `baseline compile=true`): how far
@@ -75,7 +77,8 @@
 #                preference losses against exp's own on the GPU (bf16), a DPO run killed then resumed, fresh adapters
 #                at exactly ln 2 through the compiled, kept, fused layers
 #   loravariants exp.bench exp-only, Gemma-7B 2048 x 8 random tokens on the whole GPU, $LORA_STEPS (6) steps each:
-#                plain LoRA, lora=dora, lora=rslora, lora=pissa, lora.init=olora, lora.plus_lr_ratio=16 (docs/lora.md)
+#                plain LoRA, lora=dora, lora=rslora, lora=pissa, lora.init=olora, lora.plus_lr_ratio=16 (docs/lora.md;
+#                $LORA_VARIANTS: some of them, comma-separated)
 #   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
 #                steps 4-6 under torch.profiler ($GROUPPROF_ARGS: more overrides, e.g. hardware.padding_free=false)
 #
@@ -310,7 +313,8 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
     dpo7b|orpo7b)
       objective=${1%7b}; steps=30; [ "$objective" = orpo ] && steps=${ORPO_STEPS:-30}
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
-        lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp ;;
+        lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp \
+        ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         lr=$PREF_LR steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \
@@ -327,9 +331,9 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
         trainer.val_every_n_steps=10 trainer.warmup_steps=0 logger=csv ;;
     loravariants)
       # Six fresh processes of the 7B shape in one stage: few steps each (2 untimed); the rows compare with `exp`.
-      stage loravariants 560 "${BENCH[@]}" steps=${LORA_STEPS:-6} warmup=2 variant=exp variant="exp lora=dora" \
-        variant="exp lora=rslora" variant="exp lora=pissa" variant="exp lora.init=olora" \
-        variant="exp lora.plus_lr_ratio=16" ;;
+      variants=(exp "exp lora=dora" "exp lora=rslora" "exp lora=pissa" "exp lora.init=olora" "exp lora.plus_lr_ratio=16")
+      [ -n "${LORA_VARIANTS:-}" ] && IFS=, read -ra variants <<<"$LORA_VARIANTS"
+      stage loravariants 560 "${BENCH[@]}" steps=${LORA_STEPS:-6} warmup=2 "${variants[@]/#/variant=}" ;;
     synthfam)
       for m in ${SYNTH_MODELS:-gemma_2b gemma2_2b gemma3_1b gemma3_4b}; do
         stage "synth_$m" 200 "${BENCH[@]}" model=$m seq=${TRAIN_SEQ:-2048} micro_batch=8 steps=12 variant=exp

@@ -19,6 +19,7 @@ from exp.data.padding_free import (
     PAD_MULTIPLE,
     FlatBatching,
     balanced_split,
+    bucket_length,
     even_out,
     largest_load,
     micro_batch_slots,
@@ -401,6 +402,30 @@ def test_packed_rows_with_varlen_equal_sdpa_mask():
         model.config._attn_implementation = "varlen"
         got = model(**batch).loss
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_varlen_takes_fp32_projections_in_the_autocast_dtype_and_refuses_them_outside():
+    """FlashAttention takes fp16 / bf16 only. Within a bf16 step DoRA's projections come out in fp32 (its fp32
+    magnitude vector scales them): the kernel gets them cast as SDPA would cast them; outside autocast the error
+    names the key and the fix."""
+    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = varlen.flash_dtype(q, k, v)
+    assert [x.dtype for x in cast] == [torch.bfloat16] * 3
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(cast, (q, k, v), strict=True))
+    halves = tuple(x.to(torch.bfloat16) for x in (q, k, v))
+    assert all(a is b for a, b in zip(varlen.flash_dtype(*halves), halves, strict=True))
+    with pytest.raises(ValueError, match=r"model.attn_implementation=varlen.*float32.*hardware.precision=bf16-mixed"):
+        varlen.flash_dtype(q, k, v)
+
+
+def test_bucket_lengths_take_four_shapes_per_doubling_with_at_most_a_fifth_padding():
+    lengths = {n: bucket_length(n) for n in range(1, 20_000)}
+    assert all(
+        b >= n and b % PAD_MULTIPLE == 0 and (b - n) <= b / 5 for n, b in lengths.items() if n > 4 * PAD_MULTIPLE
+    )
+    assert len({lengths[n] for n in range(4097, 8193)}) == 4
+    assert [bucket_length(n) for n in (1, 16, 17, 1024, 1025, 4000)] == [16, 16, 32, 1024, 1280, 4096]
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])

@@ -153,12 +153,12 @@ def reference_rows(
     # The memory budget and profiling are exp's alone: the baseline ran the same whatever they were.
     exp_only = {"micro_batch": None, "memory_budget": None, "profile": None}
     span = {"first_step": None, "steps": None} if len(paths) > 1 else {}
-    mine = {**asdict(settings), **exp_only, **span}
+    mine = {**asdict(settings), **exp_only, **span, "data_path": _data_name(settings.data_path)}
     earlier = []
     for path in paths:
         report = json.loads(path.read_text())
         theirs = {**Settings().__dict__, **report["settings"]}
-        compared = {**theirs, **exp_only, **span}
+        compared = {**theirs, **exp_only, **span, "data_path": _data_name(theirs["data_path"])}
         if mine != compared:
             diff = {k: (compared.get(k), v) for k, v in mine.items() if compared.get(k) != v}
             raise ValueError(f"reference={path}: measured with other settings (theirs, ours): {diff}")
@@ -194,6 +194,13 @@ def reference_rows(
         summarise(row, Settings(**{**asdict(settings), "micro_batch": mb}), flops, peak_tflops)
         joined.append(row)
     return joined
+
+
+def _data_name(path: str | None) -> str | None:
+    """The data a run read, by file name: the bench writes its preference pairs into its own out_dir (a temporary
+    folder on another machine), named after their source and seed. Both sides' per-step losses are compared besides,
+    so other data under the same name shows as a loss difference."""
+    return Path(path).name if path else path
 
 
 def join_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:

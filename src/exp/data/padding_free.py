@@ -177,6 +177,14 @@ def validation_groups(lengths: list[int], plan: FlatBatching) -> list[list[int]]
     return [g for g in groups if g]
 
 
+def bucket_length(tokens: int) -> int:
+    """`tokens` rounded up to one of 4 lengths per doubling (a multiple of a quarter of the power of two below it;
+    PAD_MULTIPLE at least): rows of any length from 2^k to 2^(k+1) take one of 4 shapes, and above 4 x PAD_MULTIPLE
+    tokens at most a fifth of the row is padding."""
+    step = max(PAD_MULTIPLE, (1 << max(tokens - 1, 1).bit_length()) // 8)
+    return -(-tokens // step) * step
+
+
 def row_length(tokens: int) -> int:
     """A micro-batch's row length: its tokens rounded up to PAD_MULTIPLE."""
     return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE

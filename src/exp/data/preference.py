@@ -41,7 +41,7 @@ from exp.data.batching import (
     step_sorted_batches,
 )
 from exp.data.formats import CHAT_ROLES, BadRow, _apply, format_prompt
-from exp.data.padding_free import PAD_MULTIPLE
+from exp.data.padding_free import bucket_length
 from exp.data.sources import read_source
 from exp.data.splits import split_rows
 from exp.data.synthetic import WORDS, generate_examples
@@ -303,16 +303,19 @@ def collate_flat_preference(items: list[PreferenceExample], pad_id: int) -> dict
     longest completion), laid out as padded rows so that every loss shifts them as it shifts padded rows. The head
     then never runs over prompt tokens either.
 
-    The row is rounded up to PAD_MULTIPLE tokens with at least one padding token, a sequence of its own: a compiled
-    model meets few distinct lengths, and every batch of B pairs has the same number of boundaries."""
+    The row, with at least one padding token (a sequence of its own, so every batch of B pairs has the same number
+    of boundaries), and the gathered rows are rounded up to `bucket_length`: a pair batch's length varies with every
+    batch, and each new length would be a new compiled graph and new sizes of the step's large activations, which
+    the allocator cannot reuse for one another (on a GPU filled to its budget, that fragmentation runs it out of
+    memory)."""
     rows = preference_rows(items)
     total = sum(len(ids) for ids, _ in rows)
-    width = -(-(total + 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+    width = bucket_length(total + 1)
     ids = torch.full((1, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long)
-    completion = max(sum(1 for x in lab if x != IGNORE_INDEX) for _, lab in rows)
-    index = torch.zeros((len(rows), completion + 1), dtype=torch.long)
-    labels = torch.full((len(rows), completion + 1), IGNORE_INDEX, dtype=torch.long)
+    completion = bucket_length(max(sum(1 for x in lab if x != IGNORE_INDEX) for _, lab in rows) + 1)
+    index = torch.zeros((len(rows), completion), dtype=torch.long)
+    labels = torch.full((len(rows), completion), IGNORE_INDEX, dtype=torch.long)
     start = 0
     for r, (row_ids, row_labels) in enumerate(rows):
         n = len(row_ids)

@@ -93,7 +93,24 @@ def varlen_attention_forward(
     return out.reshape(b, t, heads, d), None
 
 
+def flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in a dtype FlashAttention takes (fp16, bf16). Under autocast SDPA casts its inputs to the autocast
+    dtype, and the varlen kernel gets the same: projections may come out in fp32 within a bf16 step (DoRA scales
+    them by its fp32 magnitude vector)."""
+    if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype:
+        return q, k, v
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        raise ValueError(
+            f"model.attn_implementation=varlen: FlashAttention takes fp16 or bf16, and the attention's inputs are "
+            f"{q.dtype} outside autocast: set hardware.precision=bf16-mixed, or use model.attn_implementation=sdpa"
+        )
+    dtype = torch.get_autocast_dtype(device)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def _cuda_varlen(q, k, v, cu, longest, scale, window):
+    q, k, v = flash_dtype(q, k, v)
     kwargs = {}
     if "window_size" in VARLEN_PARAMS:
         # transformers' sliding window: a query sees the `window` keys ending at itself (itself included).
