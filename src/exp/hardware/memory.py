@@ -199,13 +199,26 @@ def _lora_input_bytes(n_targets: int, width: int, tokens: int, dropout: bool, c:
 
 
 def _lora_saved_bytes(
-    targets: Sequence[Projection], s: Sizes, *, tokens: int, lora_r: int, dropout: bool, c: int, eager: bool
+    targets: Sequence[Projection],
+    s: Sizes,
+    *,
+    tokens: int,
+    lora_r: int,
+    dropout: bool,
+    c: int,
+    eager: bool,
+    dora: bool = False,
 ) -> int:
     """What the LoRA branches on `targets` save for their backward: lora_A's input (`_lora_input_bytes`, shared by
     the branches reading one tensor), lora_B's input (T x r); under bf16 autocast also the bf16 casts of the fp32 A
     and B (cached per forward, saved by the matmuls). The attention output is o_proj's input: SDPA saves it for
     its own backward, so a LoRA on o_proj without dropout saves that very tensor; eager attention's reaches o_proj
-    as a fresh `.contiguous()` copy."""
+    as a fresh `.contiguous()` copy.
+
+    DoRA (PEFT's `DoraLinearLayer.forward`: `(m / |W + BA| - 1) * base + m / |W + BA| * lora * scaling`, m the fp32
+    magnitude) saves, per projection, both products it scales (T x out each) and the 1 x out scale twice. The fp32
+    scale promotes what it multiplies: under bf16 autocast one of the two comes out in fp32, so c + 4 bytes per
+    output element (8 in fp32)."""
     by_input: dict[str, list[Projection]] = {}
     for p in targets:
         by_input.setdefault(p.reads, []).append(p)
@@ -215,6 +228,8 @@ def _lora_saved_bytes(
             continue
         saved += _lora_input_bytes(len(group), group[0].shape(s)[0], tokens, dropout, c)
     saved += len(targets) * c * tokens * lora_r  # lora_A outputs, saved by lora_B
+    if dora:
+        saved += sum((c + 4) * tokens * p.shape(s)[1] + 2 * 4 * p.shape(s)[1] for p in targets)
     if c == 2:
         saved += 2 * sum(lora_r * sum(p.shape(s)) for p in targets)  # bf16 casts of the fp32 adapters
     return saved
@@ -234,6 +249,7 @@ def _layer_saved_bytes(
     repeat_kv: bool,
     attn_softcap: bool,
     compiled: bool = False,
+    dora: bool = False,
 ) -> dict[str, int]:
     """Bytes autograd saves for the backward of one decoder layer, by part (c = bytes of the activation dtype).
 
@@ -264,7 +280,9 @@ def _layer_saved_bytes(
     parts = {"norms": row.norms_per_layer * (c if compiled else 4) * t * s.hidden}
     if row.qk_norm:
         parts["norms"] += 4 * t * (s.q_dim + s.kv_dim)
-    parts["lora_inputs"] = _lora_saved_bytes(targets, s, tokens=t, lora_r=lora_r, dropout=dropout, c=c, eager=eager)
+    parts["lora_inputs"] = _lora_saved_bytes(
+        targets, s, tokens=t, lora_r=lora_r, dropout=dropout, c=c, eager=eager, dora=dora
+    )
 
     kv_saved = s.q_dim if repeat_kv else s.kv_dim
     attn = c * t * (2 * s.q_dim + 2 * kv_saved)  # q, k, v, output
@@ -355,6 +373,7 @@ def estimate_memory(
     offload_checkpoints: bool = False,
     rows_per_example: int = 1,
     reference_forward: bool = False,
+    dora: bool = False,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step on one device (see the module docstring for the model).
 
@@ -371,6 +390,7 @@ def estimate_memory(
         and bitsandbytes' paged buffers live outside PyTorch's allocator, so `max_memory_allocated` misses them) or
         "paged_adamw_8bit" (2 bytes per parameter + a fp32 absmax per 256 values).
     lora_dropout: > 0 adds a mask and a dropped copy of every adapter input.
+    dora: DoRA adapters (`lora.use_dora`): two saved products per projection and the column norms' temporaries.
     family / attn_implementation: a row of exp.model.families ("gemma" | "gemma2" | "gemma3": its norms, softcaps,
         sliding windows) and "sdpa" | "eager" (eager keeps batch x heads x seq x seq scores per layer).
     padding_mask: batches carry padding, so the attention mask is materialised; for GQA models transformers then
@@ -478,6 +498,7 @@ def estimate_memory(
             repeat_kv=s.kv_heads < s.heads and (eager or masked),
             attn_softcap=attn_softcap,
             compiled=compiled,
+            dora=dora,
         )
     # Layer i's kind, as transformers assigns them (the family's sliding-window pattern).
     layer_saved = [
@@ -490,7 +511,14 @@ def estimate_memory(
     # LoRA on the head saves what a decoder projection's does (its input, lora_A's output, the adapters' casts). Both
     # are freed by the head's backward, before any layer's.
     head_lora = _lora_saved_bytes(
-        [p for p in targets if not p.per_layer], s, tokens=t, lora_r=lora_r, dropout=lora_dropout > 0, c=c, eager=eager
+        [p for p in targets if not p.per_layer],
+        s,
+        tokens=t,
+        lora_r=lora_r,
+        dropout=lora_dropout > 0,
+        c=c,
+        eager=eager,
+        dora=dora,
     )
     final = 4 * t * s.hidden + head_lora
     # Non-reentrant checkpointing keeps each checkpointed layer's input (an argument of its recompute) and nothing
@@ -514,6 +542,11 @@ def estimate_memory(
     bwd_temp = 3 * c * t * s.inter + 2 * c * t * s.hidden + largest_weight
     if compiled:
         bwd_temp += int(COMPILED_BACKWARD_EXTRA * c * t * s.inter)
+    if dora:
+        # DoRA's column norms, every forward (and every recompute): B @ A as lora_B(lora_A(I)) with I the fp32
+        # in x in identity (and its cast to c, saved by lora_A until the product is dropped), then the dequantized
+        # weight, W + BA and its norm's input in the input's dtype (fp32 once a DoRA product has promoted it).
+        bwd_temp += max((4 + c) * i * i + 3 * 4 * i * o for i, o in (p.shape(s) for p in targets))
 
     if loss_impl == "hf":
         logits = _logits_peak_bytes(t, s.vocab, c, final_softcap)
@@ -586,6 +619,7 @@ def _config_kwargs(cfg: Any, num_shards: int = 1) -> dict[str, Any]:
     return dict(
         **_model_kwargs(cfg),
         lora_dropout=float(cfg.lora.dropout),
+        dora=bool(cfg.lora.use_dora),
         micro_batch_size=int(cfg.hardware.micro_batch_size),
         seq_len=int(cfg.data.max_seq_len),
         gradient_checkpointing=bool(cfg.hardware.gradient_checkpointing),
