@@ -589,3 +589,28 @@ def test_a_baseline_measured_in_parts_joins_into_the_whole_runs_wall_clock(tmp_p
     other = bench_result(tmp_path / "b2x.json", "baseline", 2, 2, fingerprint="f1")
     proc = subprocess.run([*join, str(exp_run), str(parts[1]), str(other)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "LoRA inits differ" in proc.stderr
+
+
+def test_an_earlier_baseline_row_is_reused_only_from_the_same_card_and_data(tmp_path):
+    """`reference=`: the bench's pairs live in each run's own out_dir, so the data is matched by file name; a row
+    measured on another card is refused (its speed-up would compare cards), naming both."""
+    from dataclasses import asdict
+
+    from exp.bench.report import reference_rows
+    from exp.bench.variants import Settings
+
+    def settings(out_dir: str) -> Settings:
+        return Settings(steps=2, warmup=0, data_path=f"{out_dir}/pairs-alpaca_en_demo-seed0.jsonl", objective="dpo")
+
+    row = {"variant": "baseline", "is_reference": True, "micro_batch": 8, "status": "ok", "step_s": [1.0, 1.0]}
+    path = tmp_path / "bench-earlier.json"
+    earlier = {"settings": asdict(settings("/tmp/a")), "device": "NVIDIA H100 80GB HBM3", "rows": [row]}
+    path.write_text(json.dumps(earlier))
+    here = settings("/tmp/b")
+    [reused] = reference_rows([path], here, [8], {}, None, "NVIDIA H100 80GB HBM3")
+    assert reused["reference_from"] == str(path) and reused["step_s"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"measured on NVIDIA H100 80GB HBM3, this run is on NVIDIA H200"):
+        reference_rows([path], here, [8], {}, None, "NVIDIA H200")
+    other = Settings(**{**asdict(here), "data_path": "/tmp/b/pairs-alpaca_zh_demo-seed0.jsonl"})
+    with pytest.raises(ValueError, match=r"measured with other settings.*data_path"):
+        reference_rows([path], other, [8], {}, None, "NVIDIA H100 80GB HBM3")

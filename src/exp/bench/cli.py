@@ -201,7 +201,8 @@ def plan(a: SimpleNamespace, argv: list[str]) -> tuple[Settings, list[Variant], 
     peak_tflops = a.peak_tflops if device == "cuda" else None
     reused: list[dict[str, Any]] = []
     if a.reference:
-        reused = reference_rows([Path(p) for p in a.reference.split(",")], base, a.micro_batch, flops, peak_tflops)
+        paths = [Path(p) for p in a.reference.split(",")]
+        reused = reference_rows(paths, base, a.micro_batch, flops, peak_tflops, device_name(device))
         variants = [v for v in variants if not v.is_reference]
     report: dict[str, Any] = {
         "command": "python -m exp.bench " + " ".join(shlex.quote(x) for x in argv),

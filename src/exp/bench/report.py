@@ -143,9 +143,15 @@ def compare(rows: list[dict[str, Any]], parity_steps: int, tol: float, val_tol: 
 
 
 def reference_rows(
-    paths: list[Path], settings: Settings, micro_batches: list[int], flops: dict[str, Any], peak_tflops: float | None
+    paths: list[Path],
+    settings: Settings,
+    micro_batches: list[int],
+    flops: dict[str, Any],
+    peak_tflops: float | None,
+    device: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The plain baseline's rows of earlier results, if they were measured with these settings (for split runs).
+    """The plain baseline's rows of earlier results, if they were measured with these settings on this `device`
+    (for split runs): a row of another card would make the speed-up a comparison of cards.
 
     Several files are parts of one real-data run (`first_step`): together their steps must be this invocation's
     steps, each part starting where the one before ended; their rows are joined (`join_parts`) and summarised over
@@ -157,6 +163,11 @@ def reference_rows(
     earlier = []
     for path in paths:
         report = json.loads(path.read_text())
+        if device is not None and report.get("device") != device:
+            raise ValueError(
+                f"reference={path}: measured on {report.get('device')}, this run is on {device}: run the baseline "
+                "here (leave reference= out)"
+            )
         theirs = {**Settings().__dict__, **report["settings"]}
         compared = {**theirs, **exp_only, **span, "data_path": _data_name(theirs["data_path"])}
         if mine != compared:
