@@ -306,6 +306,9 @@ def test_a_groups_estimate_counts_every_jobs_adapter_state():
     # fp32 weights, gradients and two AdamW moments of the seven other jobs at least.
     assert group.total - alone.total >= 7 * one * 16
     assert shared_config(jobs).lora.r == 32 + 7 * 16
+    # Jobs on different projections: the estimate's adapter covers each job's, in the order they come.
+    jobs[1].lora.target_modules = ["k_proj", "o_proj"]
+    assert shared_config(jobs).lora.target_modules == ["q_proj", "v_proj", "k_proj", "o_proj"]
 
 
 def test_a_bad_precision_for_a_group_is_refused():

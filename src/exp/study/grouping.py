@@ -79,13 +79,14 @@ def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
     budgets = [c.hardware.memory_budget_gib for c in cfgs]
     hw.memory_budget_gib = None if None in budgets else round(sum(budgets), 2)
     cfg.trainer.global_batch_size = sum(c.trainer.global_batch_size for c in cfgs)
-    # The estimate's adapter stands for all of them: the widest targets at the sum of the jobs' largest ranks. Every
-    # job's weights, gradients and AdamW state are counted (8 jobs of rank 16 on every Gemma-7B projection hold 6 GB
-    # of them), and so is the stacked product's saved [tokens, sum of ranks] per layer (exp.model.adapters).
-    widest = max(cfgs, key=lambda c: len(c.lora.target_modules))
-    cfg.lora = copy.deepcopy(widest.lora)
+    # The estimate's adapter stands for all of them: every job's targets at the sum of the jobs' largest ranks (an
+    # upper bound where jobs target different projections). Every job's weights, gradients and AdamW state are
+    # counted (8 jobs of rank 16 on every Gemma-7B projection hold 6 GB of them), and so is the stacked product's
+    # saved [tokens, sum of ranks] per layer (exp.model.adapters).
+    cfg.lora.target_modules = list(dict.fromkeys(t for c in cfgs for t in c.lora.target_modules))
     cfg.lora.r = sum(max([c.lora.r, *c.lora.rank_pattern.values()]) for c in cfgs)
     cfg.lora.rank_pattern, cfg.lora.alpha_pattern = {}, {}
+    cfg.lora.dropout = max(c.lora.dropout for c in cfgs)  # dropout's masks and copies, if any job has them
     return cfg
 
 
