@@ -190,3 +190,12 @@ def test_loftq_fits_the_adapter_to_the_quantization_error_on_a_gpu(tmp_path):
     # A plain LoRA adapter: PEFT loading it does not run LoftQ again over the saved weights.
     saved = PeftConfig.from_pretrained(str(result.adapter_dir))
     assert saved.init_lora_weights is True and saved.r == cfg.lora.r
+
+
+@pytest.mark.gpu
+def test_dora_trains_padding_free_on_a_gpu(tmp_path):
+    """DoRA's fp32 magnitude turns its projections' outputs to fp32 within the bf16 step; the GPU configuration's
+    padding-free rows reach the varlen FlashAttention kernel, which takes fp16 / bf16 only (exp.model.varlen casts)."""
+    result = run([*FEW, "hardware=gpu", "lora=dora"], output_dir=tmp_path / "run")
+    assert result.module.cfg.hardware.padding_free and result.module.cfg.model.attn_implementation == "varlen"
+    assert torch.isfinite(torch.tensor(result.final_val["val/loss"]))
