@@ -155,19 +155,25 @@ class DefaultRun:
     fresh machine that never ran `wandb login` launches it: no WANDB_* variable, a HOME with no ~/.netrc, an empty
     launch directory, an empty cache of its own.
 
-    It takes minutes of one core, and it reads nothing the other tests make: it starts in the background as soon as
-    the tests are collected (at the lowest CPU priority, so it takes only the CPU time they leave idle), and the
-    tests that read it run last (`pytest_collection_finish`). Its output goes to files, which never fill up as an
-    unread pipe would. Its own cache keeps it from building entries in the one the other tests share (some check
-    that no half-built entry is left there).
+    It reads nothing the other tests make: it starts in the background as soon as the tests are collected, and the
+    tests that read it run last (`pytest_collection_finish`). It runs on one intra-op thread, at a CPU priority a
+    little below the tests' (nice `NICE`), so that it goes on beside them and ends before its readers start. The
+    other tests keep both cores busy, where a second thread of its own would mostly wait for a core: alone on two
+    cores here, one thread ran its 3000 steps in 163 s wall and 163 s of CPU, two threads in 147 s wall and 277 s of
+    CPU. At the lowest priority (nice 19) it would get almost no CPU until the other tests end, and its readers would
+    wait for all of it. Thread count and priority change neither its config nor what it learns. Its output goes to
+    files, which never fill up as an unread pipe would. Its own cache keeps it from building entries in the one the
+    other tests share (some check that no half-built entry is left there).
     """
+
+    NICE = 5
 
     def __init__(self, root: Path):
         self.launch, self.run_dir, home, cache = root / "launch", root / "run", root / "home", root / "cache"
         for d in (self.launch, home, cache):
             d.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-        env.update(HOME=str(home), EXP_CACHE=str(cache))
+        env.update(HOME=str(home), EXP_CACHE=str(cache), OMP_NUM_THREADS="1")
         self.out, self.err = root / "stdout.txt", root / "stderr.txt"
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
@@ -178,7 +184,7 @@ class DefaultRun:
                 stdout=out,
                 stderr=err,
                 text=True,
-                preexec_fn=lambda: os.nice(19),
+                preexec_fn=lambda: os.nice(self.NICE),
             )
 
     def result(self) -> tuple[subprocess.CompletedProcess, Path, Path]:

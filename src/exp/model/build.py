@@ -367,7 +367,7 @@ def compile_decoder_layers(model: nn.Module) -> None:
     (transformers depends on it), the layer's forward sets and resets a context variable of that package, a side
     effect Dynamo will not replay in the recomputation: it breaks the graph there and the layer runs eagerly
     (`TORCH_LOGS=graph_breaks`: "HOP: Unsafe side effect"). A set-and-reset needs no replay, so Dynamo is told to
-    skip it (tests/test_compile_cache.py::test_recomputed_layers_compile_whole).
+    skip it (tests/test_gpu_twin.py::test_gpu_defaults_train_on_the_cpu counts the breaks).
     """
     import torch._dynamo.config as dynamo_config
 
