@@ -146,6 +146,27 @@ print(claim_run_dir(Path(sys.argv[1])), flush=True)
 """
 
 
+def test_a_directory_claimed_while_it_is_inspected_is_a_runs(tmp_path, monkeypatch):
+    """Another process's claim can land between the check for status.json and the listing of the directory (its lock
+    file, then its status.json): the directory then holds a run, and the next name is tried instead of refusing the
+    path as someone else's files."""
+    from exp.run import dirs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / dirs.LOCK_FILE).touch()
+    listing = Path.iterdir
+
+    def claimed_meanwhile(self):
+        if self == run:
+            dirs.write_json(run / dirs.STATUS_FILE, {"status": "running"})
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", claimed_meanwhile)
+    assert dirs.foreign_entries(run) == []
+    assert dirs.claim_run_dir(run) == tmp_path / "run_1"
+
+
 def test_simultaneous_claims_get_distinct_directories(tmp_path):
     start = tmp_path / "go"
     procs = [

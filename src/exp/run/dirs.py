@@ -125,10 +125,13 @@ def foreign_entries(path: Path, own: tuple[str, ...] = BEFORE_STATUS) -> list[st
     atomic writes (`.<name>.<pid>.tmp`)."""
     if not path.is_dir() or (path / STATUS_FILE).exists():
         return []
+    entries = {e.name: e.is_dir() for e in path.iterdir()}
+    if STATUS_FILE in entries:  # another process claimed it after the check above: a run's directory
+        return []
     return sorted(
-        e.name + "/" * e.is_dir()
-        for e in path.iterdir()
-        if e.name not in own and not (e.name.startswith(".") and e.name.endswith(".tmp"))
+        name + "/" * is_dir
+        for name, is_dir in entries.items()
+        if name not in own and not (name.startswith(".") and name.endswith(".tmp"))
     )
 
 
