@@ -153,6 +153,11 @@ def test_bench_runs_both_sides_on_the_same_tokens_with_the_same_losses(benches):
     # float32 on the CPU: exp's step is the hand-written loop's arithmetic.
     assert rows["exp"]["parity"]["max_rel_loss_diff"] < 1e-5
     assert "| baseline | 2 | hf | full |" in md and "| exp hardware.loss_impl=chunked | 2 | chunked | none |" in md
+    # Each worker's output is kept beside the results; exp's says how far its steps got.
+    [logs] = tmp_path.glob("bench-*-logs")
+    assert sorted(p.name for p in logs.iterdir()) == ["variant-0.log", "variant-1.log", "variant-2.log"]
+    exp_log = (logs / "variant-1.log").read_text()
+    assert [f"exp.bench: step {i}:" in exp_log for i in range(1, 6)] == [True] * 5
     # The profiled steps (steps 2 and 3, among the timed ones) kept the baseline's arithmetic above.
     assert base.get("profile") is None
     for name in ("exp", "exp hardware.loss_impl=chunked"):

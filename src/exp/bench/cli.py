@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     write()
     print(f"exp.bench: {len(variants)} variant(s) x micro-batch {a.micro_batch} on {report['device']}", flush=True)
-    run_variants(report, base, variants, a.micro_batch, a.memory_budget == "baseline", write)
+    logs = out.with_name(out.name + "-logs")
+    run_variants(report, base, variants, a.micro_batch, a.memory_budget == "baseline", write, logs)
     print(markdown(report).split("\nPer-step losses:")[0], flush=True)
     print(f"exp.bench: wrote {out}.json and {out}.md", flush=True)
     failed = [r["variant"] for r in report["rows"] if r["status"] == "failed"]

@@ -68,6 +68,8 @@ class StepClock(L.Callback):
         self.step_s.append(time.perf_counter() - self._t0)
         self.losses.append(torch.stack(self._step_losses).mean())
         self.real_tokens.append(self._tokens)
+        # Into the worker's log (outside the timed span): how far a run stopped by a time limit got.
+        print(f"exp.bench: step {len(self.step_s)}: {self.step_s[-1]:.3f} s, {self._tokens} real tokens", flush=True)
         self._step_losses, self._tokens = [], 0
         if self.cuda:
             self.peak = torch.cuda.max_memory_allocated()

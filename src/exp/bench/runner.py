@@ -17,8 +17,10 @@ from exp.bench.report import summarise
 from exp.bench.variants import Settings, Variant
 
 
-def run_variant(settings: Settings, variant: Variant, tmp: Path, index: int) -> dict[str, Any]:
-    """Start `python -m exp.bench worker=<spec>` on the variant and read back its row (exp.bench.worker writes it)."""
+def run_variant(settings: Settings, variant: Variant, tmp: Path, logs: Path, index: int) -> dict[str, Any]:
+    """Start `python -m exp.bench worker=<spec>` on the variant and read back its row (exp.bench.worker writes it).
+    The worker's output goes to `logs/variant-<index>.log`, kept beside the results: a run stopped from outside (a
+    time limit) still shows how far each variant got."""
     spec = tmp / f"spec-{index}.json"
     result = tmp / f"result-{index}.json"
     work = tmp / f"work-{index}"
@@ -33,7 +35,7 @@ def run_variant(settings: Settings, variant: Variant, tmp: Path, index: int) -> 
             }
         )
     )
-    log_path = tmp / f"variant-{index}.log"
+    log_path = logs / f"variant-{index}.log"
     started = time.time()
     with log_path.open("w") as log_file:
         proc = subprocess.run(
@@ -58,10 +60,12 @@ def run_variants(
     micro_batches: list[int],
     baseline_budget: bool,
     write: Callable[[], None],
+    logs: Path,
 ) -> None:
     """Run `variants` at each of `micro_batches`, appending each row to `report["rows"]` and calling `write` after
     it (an interrupted run keeps what it measured). `baseline_budget`: each exp variant may use the memory the plain
-    baseline of its micro-batch peaked at (that baseline then runs first)."""
+    baseline of its micro-batch peaked at (that baseline then runs first). `logs`: the workers' output."""
+    logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="exp-bench-") as tmp:
         index = 0
         if baseline_budget:  # its peak is the budget of the exp variants: measure it first
@@ -75,7 +79,7 @@ def run_variants(
                     if peak is None:  # the CPU measures no peak; a failed baseline has none
                         print(f"exp.bench: no baseline peak for micro-batch {mb}: {v.name} runs without a budget")
                     settings.memory_budget = peak
-                row = run_variant(settings, v, Path(tmp), index)
+                row = run_variant(settings, v, Path(tmp), logs, index)
                 index += 1
                 row = {"variant": v.name, "side": v.side, "micro_batch": mb, "is_reference": v.is_reference, **row}
                 summarise(row, settings, report["flops"], report["peak_tflops"])
