@@ -344,9 +344,12 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
 
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests readme bench2b calibration bench7b whole real lean capacity bench512 profile7b)
-for s in "${stages[@]}"; do run_stage "$s"; done
-
-cp -r "$WORK"/bench/*.md "$OUT"/ 2>/dev/null
-tar -czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+# Packed again after every stage: a call stopped at the device's own limit still returns what the stages before
+# the stopped one measured.
+pack() {
+  cp -r "$WORK"/bench/*.md "$OUT"/ 2>/dev/null
+  tar -czf "$OUT/results.tgz.part" -C "$WORK" . 2>/dev/null && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+}
+for s in "${stages[@]}"; do run_stage "$s"; pack; done
 log "done: status $status; $OUT/log.txt, $OUT/results.tgz"
 exit $status
