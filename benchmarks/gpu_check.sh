@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh [STAGE ...]        (no stage: all of them, in this order)
 #
 #   tests        python -m pytest -m gpu (every GPU test; the 2-GPU ones skip on one GPU)
+#   pytest       python -m pytest -m gpu $PYTEST_ARGS (some GPU tests: files, -k expressions)
 #   varlen       python -m pytest -m gpu tests/test_gpu_varlen.py alone (the padding-free attention kernels)
 #   kernels      python -m pytest -m gpu on tests/test_gpu_varlen.py and tests/test_gpu.py but its training run (the
 #                attention kernels, liger's loss against exp's chunked loss, placement, the device diagnoses);
@@ -322,6 +323,9 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
     preftests)
       stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
         tests/test_gpu_objectives.py tests/test_reference_pass.py tests/test_flat_pairs.py 2>&1 | tee $WORK/pytest_gpu_objectives.txt" ;;
+    pytest)
+      stage pytest 420 bash -c "set -o pipefail; python3 -m pytest -m gpu -v -p no:cacheprovider -rA ${PYTEST_ARGS:-tests} \
+        2>&1 | tee $WORK/pytest_gpu_selected.txt" ;;
     liger)
       stage liger 180 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/test_gpu.py \
         -k liger 2>&1 | tee $WORK/pytest_gpu_liger.txt" ;;
