@@ -28,6 +28,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
         os.environ["EXP_CACHE"] = tempfile.mkdtemp(prefix="exp-test-cache-")
     os.environ.pop("WANDB_API_KEY", None)  # tests never talk to a W&B server
+    # The suite runs several training processes at once (`Together`, `DefaultRun`, launchers' jobs) on few cores.
+    # libgomp lets an idle intra-op thread spin for 300,000 rounds before it sleeps, holding a core that another
+    # process waits for: on two cores, test_group's runs (this process and two group workers) took 120 s of CPU and
+    # 63 s wall; with 1,000 rounds, 57 s and 33 s, while one run alone keeps its speed (a 4-step run: 1.0 s against
+    # 0.95 s; no spin at all, OMP_WAIT_POLICY=PASSIVE, makes it 1.6 s). Spinning decides only how a thread idles,
+    # never what it computes. Set before torch loads here (libgomp reads it then), inherited by every process the
+    # tests start.
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    # `Together`'s threads start processes while this thread's tests change the environment (monkeypatch.setenv,
+    # exp setting its cache variables). A vfork()ed child shares the parent's memory until it executes, and reads
+    # the environment array there: when another thread grows that array meanwhile, the old one is freed under the
+    # child, whose exec then fails with EFAULT ("[Errno 14] Bad address", seen under load). fork() gives the child
+    # a copy instead.
+    subprocess._USE_VFORK = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (`-m "not slow"`)
