@@ -2,7 +2,7 @@
 
 This module is the single home of defaults and of cross-field validation, except the rules of a model family
 (which LoRA targets and attention kernels it takes), which live with the family's row in `exp.model.families` and
-are checked when a config is composed (`exp.run.compose.to_typed`). YAML files under `conf/` hold only the values
+are checked when a config is composed (`exp.run.typed.to_typed`). YAML files under `conf/` hold only the values
 that differ from these defaults. Keys reuse the names of the library they feed (PEFT's `r`, `alpha`,
 `target_modules`; bitsandbytes' `quant_type`, `double_quant`; Lightning's `max_steps`, `precision`).
 

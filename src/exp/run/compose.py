@@ -9,25 +9,19 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from exp.core.config import ConfigError, TrainConfig, register_configs, resolve_paths
+from exp.core.config import ConfigError, TrainConfig, register_configs
 from exp.core.constants import CONF_DIR
-from exp.core.secrets import secret_value_problems
-from exp.model.families import family_problems
 from exp.run.dirs import RESUME_RECORD, RunLayout, sweep_job_dir_name
 from exp.run.overrides import check_cli_overrides, composition_error
-from exp.run.start_adapter import resolve_start_adapter
+from exp.run.typed import config_dict, to_typed
 
 register_configs()
 # conf/train.yaml names a sweep job's directory with it (hydra.sweep.subdir).
 if not OmegaConf.has_resolver("exp.job_dir"):
     OmegaConf.register_new_resolver("exp.job_dir", sweep_job_dir_name)
-
-
-def config_dict(cfg: TrainConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def write_run_config(cfg: TrainConfig, output_dir: Path) -> None:
@@ -60,20 +54,6 @@ def damaged_config(run_dir: Path, e: BaseException) -> str:
 def read_resume_record(run_dir: Path) -> dict | None:
     path = run_dir / RESUME_RECORD
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
-
-    cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
-    if problems := secret_value_problems(config_dict(cfg)):
-        raise ConfigError("\n".join(problems))
-    # A starting adapter brings its own LoRA shape (exp.run.start_adapter), which the family's checks then see.
-    cfg = resolve_start_adapter(resolve_paths(cfg, launch_dir), launch_dir)
-    # The model family's rules (its LoRA targets, the attention kernels it can use) live with its row in
-    # exp.model.families, above the schema's layer: checked here, once, for every composed config.
-    if problems := family_problems(cfg):
-        raise ConfigError("\n".join(problems))
-    return cfg
 
 
 def compose_config(overrides: list[str], launch_dir: Path | None = None) -> TrainConfig:

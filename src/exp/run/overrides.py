@@ -10,6 +10,7 @@ cannot be created or that holds files of something else than an exp run. Composi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -20,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from exp.core.cli import flag_value, not_key_value, unknown_flag
 from exp.core.config import ConfigError, TrainConfig, config_key, schema_fields
@@ -36,6 +37,7 @@ from exp.run.dirs import (
     read_status,
 )
 from exp.run.security import REDACTED, secret_values, target_problems
+from exp.run.typed import to_typed
 
 # Settings people look for under a key that exp derives from, or keeps under, another one.
 _DTYPE = (
@@ -229,6 +231,8 @@ def check_command_line(
         problems += unknown_keys(record)
         problems += _secret_value_problems(cfg, record)
         problems += _data_problems(cfg)
+    if mode == RunMode.RUN and not problems:
+        problems += _typed_problems(configs[0])
     key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
     run_dir = _resolved(configs[0], key)
     if run_dir is not None and any(len(os.fsencode(part)) > NAME_MAX for part in run_dir.parts):
@@ -255,6 +259,22 @@ def check_command_line(
                 f"run with trainer.resume={run_dir} and a new hydra.run.dir."
             ], argv
     return [], argv  # a new directory, or another rank of this launch got there first
+
+
+def _typed_problems(cfg: DictConfig) -> list[str]:
+    """The typed config's own checks (the schema's cross-field rules, model.path, model.adapter, the model family's
+    rules: exp.run.typed.to_typed) on a single run's composed config, run here, before the training stack loads:
+    a bad value is refused in well under a second instead of after torch's and Lightning's imports, and no run
+    directory is claimed for it. A sweep's jobs are checked each in its own job, so that one bad combination fails
+    that job alone."""
+    job = copy.deepcopy(cfg)
+    with open_dict(job):
+        del job["hydra"]
+    try:
+        to_typed(job, Path.cwd())  # the launch directory: Hydra has not changed it yet
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 def _data_problems(cfg: DictConfig) -> list[str]:
