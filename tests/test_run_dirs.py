@@ -184,17 +184,18 @@ def test_simultaneous_claims_get_distinct_directories(tmp_path):
 @pytest.mark.slow
 def test_two_clis_started_together_write_into_two_directories(tmp_path):
     """`python -m exp.train` twice at once, same hydra.run.dir: each its own directory, record and log (both stop
-    at the typed config's check, after the claim). The directories exist beforehand, empty: a run refused by its
-    checks removes only a directory it made, and marks one that was there before as failed."""
+    at the preflight, after the claim: they ask for 64 GPUs). The directories exist beforehand, empty: a run refused
+    by its checks removes only a directory it made, and marks one that was there before as failed."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     (tmp_path / "same").mkdir()
     (tmp_path / "same_1").mkdir()
-    args = [sys.executable, "-m", "exp.train", "lora.r=0", "logger=none", "hydra.run.dir=same"]
+    gpus = ["hardware=ddp", "hardware.devices=64", "trainer.global_batch_size=256"]  # a valid config no machine runs
+    args = [sys.executable, "-m", "exp.train", *gpus, "logger=none", "hydra.run.dir=same"]
     procs = [
         subprocess.Popen([*args, f"trainer.seed={i}"], cwd=tmp_path, env=env, stderr=subprocess.PIPE) for i in (1, 2)
     ]
     errs = [p.communicate(timeout=120)[1].decode() for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
+    assert [p.returncode for p in procs] == [3, 3], errs  # the preflight's exit status
     dirs = sorted(p.name for p in tmp_path.iterdir())
     assert dirs == ["same", "same_1"]
     seeds = set()
