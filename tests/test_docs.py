@@ -162,7 +162,7 @@ def check_train(cmd: DocCommand, env: dict[str, str], args: list[str], monkeypat
     # The data files the docs name are the reader's own (or downloaded); the early data checks are test_data_files.py's.
     monkeypatch.setattr("exp.run.overrides._data_problems", lambda cfg: [])
     # So are the earlier runs a command starts from (model.adapter=): test_preference_flow.py runs that workflow.
-    monkeypatch.setattr("exp.run.typed.resolve_start_adapter", lambda cfg, launch_dir: cfg)
+    monkeypatch.setattr("exp.run.typed.resolve_start_adapter", lambda cfg, launch_dir, quiet=False: cfg)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     expected = "\n".join(cmd.output)

@@ -42,6 +42,24 @@ def test_a_starting_adapter_brings_its_own_shape_and_is_recorded_resolved(tmp_pa
     assert compose_typed(["objective=dpo", f"model.adapter={adapter}", "objective.reference=base"]).reference == "base"
 
 
+def test_the_command_lines_check_leaves_the_shape_warning_to_the_runs_own_log(tmp_path, monkeypatch, caplog):
+    """`python -m exp.train` checks the typed config before Hydra sets up the run's log; the warning that a starting
+    adapter replaces the config's LoRA shape (given once per process) must come from the run's own composition,
+    into train.log, not from that earlier check."""
+    import exp.train
+    from exp.run.compose import CONF_DIR
+    from exp.run.overrides import check_command_line
+
+    adapter = _peft_dir(tmp_path / "peft")  # r 16, where the command line says 4
+    monkeypatch.chdir(tmp_path)
+    argv = [f"model.adapter={adapter}", "lora.r=4", f"hydra.run.dir={tmp_path / 'run'}"]
+    with caplog.at_level("WARNING", logger="exp.run.start_adapter"):
+        problems, _ = check_command_line(argv, exp.train.__file__, str(CONF_DIR), "train")
+        assert problems == [] and "fixed by its weights" not in caplog.text
+        compose_typed(argv[:2])
+    assert "fixed by its weights" in caplog.text and "lora.r 4 -> 16" in caplog.text
+
+
 def test_a_run_directory_resolves_to_its_adapter_and_must_share_the_base(tmp_path):
     run = tmp_path / "sft"
     run.mkdir()

@@ -271,7 +271,9 @@ def _typed_problems(cfg: DictConfig) -> list[str]:
     with open_dict(job):
         del job["hydra"]
     try:
-        to_typed(job, Path.cwd())  # the launch directory: Hydra has not changed it yet
+        # The launch directory: Hydra has not changed it yet. Quiet: a warning here would come before Hydra sets up
+        # the run's log, and the run's own composition (once only: exp.run.start_adapter) would then stay silent.
+        to_typed(job, Path.cwd(), quiet=True)
     except ConfigError as e:
         return [str(e)]
     return []

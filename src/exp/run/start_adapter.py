@@ -122,9 +122,10 @@ def _warn_once(message: str) -> None:
     log.warning("%s", message)
 
 
-def resolve_start_adapter(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
+def resolve_start_adapter(cfg: TrainConfig, launch_dir: Path, quiet: bool = False) -> TrainConfig:
     """`cfg` with `model.adapter` resolved to its adapter directory and `lora.*` set to the adapter's shape; a path
-    that holds no LoRA adapter, or a run that trained on another base, raises ConfigError."""
+    that holds no LoRA adapter, or a run that trained on another base, raises ConfigError. `quiet`: no warning of
+    the replaced LoRA shape (a check whose result is thrown away)."""
     value = cfg.model.adapter
     if not value:
         return cfg
@@ -137,7 +138,7 @@ def resolve_start_adapter(cfg: TrainConfig, launch_dir: Path) -> TrainConfig:
             "or pick an adapter trained on this model."
         )
     lora, changes = lora_from_adapter(cfg, config)
-    if changes:
+    if changes and not quiet:
         _warn_once(
             f"model.adapter={value}: the adapter's LoRA shape is fixed by its weights, so it replaces the config's: "
             f"{', '.join(changes)} (lora.dropout={cfg.lora.dropout} is this run's own)"

@@ -18,13 +18,14 @@ def config_dict(cfg: TrainConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
-def to_typed(dcfg: DictConfig, launch_dir: Path) -> TrainConfig:
-
+def to_typed(dcfg: DictConfig, launch_dir: Path, quiet: bool = False) -> TrainConfig:
+    """The checked TrainConfig of a composed config (ConfigError names what is wrong). `quiet`: a check only, whose
+    result is not run; it logs no warning (the run's own composition does, once its log is set up)."""
     cfg: TrainConfig = OmegaConf.to_object(dcfg)  # runs the schema's cross-field validation
     if problems := secret_value_problems(config_dict(cfg)):
         raise ConfigError("\n".join(problems))
     # A starting adapter brings its own LoRA shape (exp.run.start_adapter), which the family's checks then see.
-    cfg = resolve_start_adapter(resolve_paths(cfg, launch_dir), launch_dir)
+    cfg = resolve_start_adapter(resolve_paths(cfg, launch_dir), launch_dir, quiet)
     # The model family's rules (its LoRA targets, the attention kernels it can use) live with its row in
     # exp.model.families, above the schema's layer: checked here, once, for every composed config.
     if problems := family_problems(cfg):
