@@ -71,6 +71,8 @@
 #                ($PREF_REFERENCE: an earlier result JSON of the same settings and card, whose baseline row stands in
 #                for running the loop again)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
+#   dpostart     DPO's first two steps on the Gemma-2B shape and dpo7b's pairs, exp with compiled and with eager
+#                layers: both first losses must be exactly ln 2 (the reference runs the policy's compiled graph)
 #   dpo7bfloor   dpo7b's pairs, 12 steps, with two more hand-written loops of the same math and other numerics
 #                (`baseline prepare=false`: bf16 norms and embedding as exp's; `baseline compile=true`): how far
 #                per-step DPO losses drift from rounding alone on the random-weight model, the floor for exp's
@@ -164,7 +166,7 @@ PREF_LR=${PREF_LR:-5e-6}
 PARTS=${LOOP_PARTS_DIR:-/tmp/gpu_check_loop_parts}  # the loop200 parts, kept across calls on one machine
 
 run_stage() {
-  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 || $1 == dpo7b || $1 == orpo7b || $1 == dpo7bfloor ]] && [ ! -f "$ALPACA" ]; then
+  if [[ $1 == real || $1 == study || $1 == groupstudy || $1 == group7b || $1 == groupprof || $1 == realpf || $1 == pfprofile || $1 == trainruns || $1 == valprof || $1 == loop200 || $1 == exp200 || $1 == dpo7b || $1 == orpo7b || $1 == dpo7bfloor || $1 == dpostart ]] && [ ! -f "$ALPACA" ]; then
     log "stage $1: needs EXP_ALPACA=<a real Alpaca file, e.g. alpaca_en_demo.json>"; status=1; return
   fi
   case $1 in
@@ -316,6 +318,9 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp \
         ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
+    dpostart)
+      stage dpostart 300 "${BENCH[@]}" model=gemma_2b objective=dpo data="$ALPACA" seq=1024 micro_batch=8 lr=$PREF_LR \
+        steps=2 warmup=1 variant=exp "variant=exp hardware.compile=false" ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         lr=$PREF_LR steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \

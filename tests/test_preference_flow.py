@@ -173,7 +173,14 @@ def test_the_reference_copy_is_frozen_and_the_trained_adapter_stays_active(start
     assert any(f".{REFERENCE_ADAPTER}." in n for n, _ in model.named_parameters())
     with reference_model(model):
         assert model.active_adapter == REFERENCE_ADAPTER
+        assert not any(p.requires_grad for p in model.parameters())
     assert model.active_adapter == "default"
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    # graph=True (a compiled model's pass with gradients on): the copy requires gradients while it lasts, so the
+    # pass builds the policy's kind of graph; the trained adapter is frozen meanwhile and trainable again after.
+    with reference_model(model, graph=True):
+        needing = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert needing and all(f".{REFERENCE_ADAPTER}." in n for n in needing)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
 
 

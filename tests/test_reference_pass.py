@@ -18,8 +18,9 @@ from test_gpu_objectives import _batch
 
 from exp.core.config import LossImpl
 from exp.model import dequantized
-from exp.model.build import build_model
+from exp.model.build import build_model, decoder_layers
 from exp.model.reference import reference_pass, scaling_switch_problem
+from exp.training import objectives
 from exp.training.objectives import preference_loss, reference_logps, row_logps
 
 LN2 = torch.tensor(math.log(2.0), dtype=torch.float32).item()
@@ -65,9 +66,9 @@ def test_the_reference_pass_runs_the_policys_fused_product_with_lora_off(twin, m
     scalings = [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)]
     _step(model, batch, cfg, LossImpl.chunked)
     fused = sum(type(m) is dequantized.FusedLoraLinear4bit for m in model.modules())
-    # The policy's forward, the reference's (every fused layer multiplied as in the policy's pass, LoRA's input 0),
+    # The reference's forward (every fused layer multiplied as in the policy's pass, LoRA's input 0), the policy's,
     # then the backward's recomputation of the checkpointed layers.
-    assert fused and calls[:fused] == [True] * fused and calls[fused : 2 * fused] == [False] * fused
+    assert fused and calls[:fused] == [False] * fused and calls[fused : 2 * fused] == [True] * fused
     assert all(calls[2 * fused :])
     assert [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)] == scalings  # restored
 
@@ -105,6 +106,41 @@ def test_trained_adapters_score_the_base_as_the_reference(twin):
             for name, p in model.named_parameters():
                 if name in original:
                     p.copy_(original[name])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_reference_runs_first_in_the_policys_grad_mode_where_layers_are_compiled(compiled, monkeypatch):
+    """A compiled layer has a graph per grad mode, and the two round differently on a GPU: where the layers are
+    compiled the reference pass runs with gradients on (the policy's graph), before the policy's pass (so its saved
+    activations are gone before the policy's are made), and no gradient flows through it. Eager layers keep it
+    without gradients. (`backend="eager"`: Dynamo's capture without Inductor, for the grad mode alone.)"""
+    cfg = compose_typed(TWIN)
+    model = build_model(cfg, "cpu")
+    if compiled:
+        for layer in decoder_layers(model):
+            layer.compile(backend="eager")
+    lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    seen: list[tuple[bool, bool]] = []  # per pass to the head: (LoRA switched off, gradients on)
+    head_inputs = objectives.head_inputs
+
+    def spied(m, inputs):
+        seen.append((all(s == 0.0 for layer in lora for s in layer.scaling.values()), torch.is_grad_enabled()))
+        return head_inputs(m, inputs)
+
+    monkeypatch.setattr(objectives, "head_inputs", spied)
+    batch = _batch(cfg, 4)
+    loss, _ = _step(model, batch, cfg, LossImpl.chunked)
+    assert seen == [(True, compiled), (False, True)]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and loss == LN2
+    # The same step with the reference's values handed in (no reference pass): the same gradients, bit for bit.
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = reference_logps(model, batch, LossImpl.chunked)
+    assert ref.grad_fn is None
+    _step(model, batch | {"ref_logps": ref.float()}, cfg, LossImpl.chunked)
+    for name, grad in grads.items():
+        assert torch.equal(dict(model.named_parameters())[name].grad, grad), name
 
 
 def test_dora_takes_pefts_switch():

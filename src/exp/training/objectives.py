@@ -2,8 +2,8 @@
 
 One forward pass scores every row of the batch (a pair's chosen rows, then its rejected rows; KTO: the examples,
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
-its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored without gradients: no
-second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
+its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored with its outputs detached:
+no second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
 (exp.model.reference: each LoRA layer's scaling 0, so that fresh adapters give rewards of exactly 0); when the model
 holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`), that
 copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
@@ -89,25 +89,47 @@ def _rows_hidden(
 
 
 @contextlib.contextmanager
-def reference_model(model: nn.Module) -> Iterator[None]:
+def reference_model(model: nn.Module, graph: bool = False) -> Iterator[None]:
     """The model as the reference: the frozen starting adapter alone when the model holds one, else the base (every
-    LoRA product at scaling 0, exp.model.reference). The trainable adapter is active again (and trainable) on exit."""
+    LoRA product at scaling 0, exp.model.reference). The trainable adapter is active again (and trainable) on exit.
+    `graph`: the starting adapter's copy requires gradients while it lasts (none ever flows to it), so that a pass
+    with gradients on builds an autograd graph as the policy's does (`_reference_grad`)."""
     if REFERENCE_ADAPTER not in model.peft_config:
         with reference_pass(model):
             yield
         return
     active = model.active_adapter
-    model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)  # freezes every adapter while it lasts
+    model.set_adapter(REFERENCE_ADAPTER, inference_mode=not graph)  # freezes every other adapter while it lasts
     try:
         yield
     finally:
         model.set_adapter(active)
 
 
+def _compiled(model: nn.Module) -> bool:
+    """Whether any of the model's modules runs through torch.compile (`Module.compile`, exp.model.build)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def _reference_grad(model: nn.Module) -> bool:
+    """Whether the reference pass runs with gradients on (its outputs detached): where the layers are compiled and
+    the caller computes gradients, which is where the policy's pass runs its compiled training graph.
+
+    A compiled layer has a graph per grad mode. Without gradients it runs the inference graph, fused otherwise than
+    the training graph the policy runs (whose partition keeps what the backward needs), and rounding otherwise: on
+    an H100 the Gemma-2B shape started DPO at a loss of 0.684 with its layers compiled and at exactly ln 2 = 0.6931
+    eagerly (benchmarks/results/dpo_reference_h100_20261207). With gradients on, the reference runs the policy's
+    graph; it runs before the policy's pass, so its saved activations are freed before the policy's are made and the
+    step's peak memory is the policy's. Eager layers compute the same numbers in either mode, so they keep
+    `torch.no_grad` (no activations kept at all)."""
+    return torch.is_grad_enabled() and _compiled(model)
+
+
 def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
-    """The rows' log-probabilities under the reference (no gradients)."""
-    with torch.no_grad(), reference_model(model):
-        return row_logps(model, batch, impl)[0]
+    """The rows' log-probabilities under the reference (detached: no gradient flows from them)."""
+    graph = _reference_grad(model)
+    with torch.set_grad_enabled(graph), reference_model(model, graph):
+        return row_logps(model, batch, impl)[0].detach()
 
 
 def preference_loss(
@@ -119,11 +141,13 @@ def preference_loss(
     if impl == LossImpl.liger and "ref_logps" not in batch:
         return fused_preference_loss(model, batch, o)
     desirable = batch.get("desirable")
+    ref = None
+    if o.uses_reference and "ref_logps" not in batch:
+        ref = reference_logps(model, batch, impl)  # first: its pass's memory is free before the policy's (above)
     logps, counts = row_logps(model, batch, impl)
     half = logps.shape[0] // 2
-    ref = None
     if o.uses_reference:
-        ref = batch["ref_logps"].to(logps) if "ref_logps" in batch else reference_logps(model, batch, impl)
+        ref = batch["ref_logps"].to(logps) if ref is None else ref
     if o.kind == Objective.kto:
         return _kto(logps, ref, desirable.to(logps.device), o, half)
     chosen, rejected = logps[:half], logps[half:]
@@ -172,12 +196,13 @@ def fused_preference_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], o: ObjectiveConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`preference_loss` through liger-kernel's chunked losses (exp.model.preference.fused_pair_loss): the policy's
-    hidden states, and the reference's (`reference_model`, no gradients) where the objective has one."""
-    hidden, weight, labels = _hidden(model, batch)
+    hidden states, and the reference's (`reference_model`, detached) where the objective has one."""
     ref = None
-    if o.uses_reference:
-        with torch.no_grad(), reference_model(model):
-            ref = _hidden(model, batch)[0]
+    if o.uses_reference:  # first: its pass's memory is free before the policy's (`_reference_grad`)
+        graph = _reference_grad(model)
+        with torch.set_grad_enabled(graph), reference_model(model, graph):
+            ref = _hidden(model, batch)[0].detach()
+    hidden, weight, labels = _hidden(model, batch)
     compiled = hidden.device.type == "cuda"  # liger's torch.compile of its chunk step: CUDA; eager on the CPU
     half = labels.shape[0] // 2
     if o.kind == Objective.kto:
