@@ -81,7 +81,8 @@
 #                at exactly ln 2 through the compiled, kept, fused layers
 #   loravariants exp.bench exp-only, Gemma-7B 2048 x 8 random tokens on the whole GPU, $LORA_STEPS (6) steps each:
 #                plain LoRA, lora=dora, lora=rslora, lora=pissa, lora.init=olora, lora.plus_lr_ratio=16 (docs/lora.md;
-#                $LORA_VARIANTS: some of them, comma-separated)
+#                $LORA_VARIANTS: others, comma-separated, e.g. "exp,exp lora.init=gaussian,exp lora.init=loftq,
+#                exp +lora.rank_pattern.down_proj=64" for the inits and patterns the default list leaves out)
 #   groupprof    benchmarks/group_profile.py: the 2b study's $GROUPPROF_JOBS (16) jobs as one group, 8 steps, each timed,
 #                steps 4-6 under torch.profiler ($GROUPPROF_ARGS: more overrides, e.g. hardware.padding_free=false)
 #

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,10 @@ def test_a_grouped_job_leaves_the_files_of_a_job_run_alone(runs):
     }
     assert set(_rows(alone)[0]) == set(_rows(grouped)[0])
     assert json.loads((grouped / "status.json").read_text())["status"] == "completed"
+    # The group's start, which no job's summary holds, is in each job's train.log.
+    start = re.search(r"group process: ([\d.]+) s since it started, ([\d.]+) s of it the configs and preflights",
+                      (grouped / "train.log").read_text())  # fmt: skip
+    assert start and float(start[1]) >= float(start[2]) > 0
     a = load_file(alone / "adapter" / "adapter_model.safetensors")
     g = load_file(grouped / "adapter" / "adapter_model.safetensors")
     assert sorted(a) == sorted(g)

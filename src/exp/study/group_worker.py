@@ -10,8 +10,10 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+import time
 from pathlib import Path
 
+import psutil  # a dependency of peft's
 import torch
 
 from exp.core.config import Accelerator, ConfigError, TrainConfig
@@ -33,8 +35,10 @@ log = logging.getLogger("exp.train")
 def main(run_dirs: list[Path]) -> None:
     die_with_launcher()  # never train on after the launcher is gone
     GUARD.install()  # SIGTERM / SIGUSR1 / SIGINT stop every job of the group as they stop a single run
+    planning = time.perf_counter()
     with run_log(run_dirs[0]):
         shared, members = plan_group(run_dirs)
+    planning = time.perf_counter() - planning
     if not members:
         sys.exit(PREFLIGHT_EXIT)
     device = torch.device("cpu" if shared.hardware.accelerator == Accelerator.cpu else "cuda")
@@ -52,6 +56,9 @@ def main(run_dirs: list[Path]) -> None:
                 device,
                 ", ".join(m.run_dir.name for m in members),
             )
+            # Where a group's start goes: its wall-clock counts against the study's, and no job's summary holds it.
+            log.info("group process: %.1f s since it started, %.1f s of it the configs and preflights",
+                     time.time() - psutil.Process().create_time(), planning)  # fmt: skip
             train_group(members, shared, device)
     except BaseException as e:
         for m in members:
