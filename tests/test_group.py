@@ -265,6 +265,30 @@ def test_a_single_run_refuses_a_groups_checkpoint(runs, tmp_path):
         run(COMMON + JOBS[0] + [f"trainer.resume={runs / 'group0'}"], output_dir=tmp_path / "alone")
 
 
+def test_a_group_probes_the_gpu_once_started_before_torch_loads(tmp_path, monkeypatch):
+    """The preflight's CUDA probe (a fresh Python that initialises CUDA: seconds) starts before the group's process
+    imports torch, and serves both of the group's preflights (the job alone, then every job's rows together)."""
+    from exp.study import group_worker
+
+    dirs = _group_dirs([(tmp_path / f"j{i}", JOBS[i]) for i in range(3)])
+    script = (
+        "import sys\n"
+        "import exp.study.group_worker as g\n"
+        "def probe(accelerator, quant_type):\n"
+        "    print('torch' in sys.modules, accelerator, quant_type)\n"
+        "    sys.exit(0)\n"
+        "g.start_probe = probe\n"
+        f"g.main([__import__('pathlib').Path({dirs[0]!r})])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "cpu", "nf4"], out.stderr[-2000:]
+    probes = []
+    probe = group_worker.probe_environment
+    monkeypatch.setattr(group_worker, "probe_environment", lambda **kw: probes.append(kw) or probe(**kw))
+    shared, members = group_worker.plan_group([Path(d) for d in dirs])
+    assert len(members) == 3 and len(probes) == 1
+
+
 def test_jobs_group_by_what_their_base_depends_on():
     """Adapter, optimiser, schedule, seeds and logging may differ inside a group; the model, data shape and
     hardware may not; several devices and modules_to_save run alone."""

@@ -12,22 +12,27 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil  # a dependency of peft's
-import torch
 
 from exp.core.config import Accelerator, ConfigError, TrainConfig
-from exp.hardware.preflight import PREFLIGHT_EXIT, format_findings, run_preflight
+from exp.hardware.preflight import (
+    PREFLIGHT_EXIT,
+    format_findings,
+    probe_environment,
+    probe_wanted,
+    run_preflight,
+    start_probe,
+)
 from exp.run.compose import load_run_config, write_run_config
 from exp.run.dirs import RunLayout
-from exp.run.logs import FILE_FORMAT, run_log
-from exp.study.group_fit import train_group
-from exp.study.group_member import Member
 from exp.study.grouping import shared_config, with_micro_batch
 from exp.training.launch import die_with_launcher
-from exp.training.lifecycle import record_refused, record_stop
-from exp.training.pipeline import exit_on_known_error, prepare_resume
 from exp.training.signals import GUARD
+
+if TYPE_CHECKING:
+    from exp.study.group_member import Member
 
 log = logging.getLogger("exp.train")
 
@@ -35,6 +40,16 @@ log = logging.getLogger("exp.train")
 def main(run_dirs: list[Path]) -> None:
     die_with_launcher()  # never train on after the launcher is gone
     GUARD.install()  # SIGTERM / SIGUSR1 / SIGINT stop every job of the group as they stop a single run
+    _start_probe(run_dirs[0])
+    # Torch, Lightning and the training code load only now, while the probe runs.
+    import torch
+
+    # (the training code, with torch and Lightning: after the probe started)
+    from exp.run.logs import FILE_FORMAT, run_log
+    from exp.study.group_fit import train_group
+    from exp.training.lifecycle import record_stop
+    from exp.training.pipeline import exit_on_known_error
+
     planning = time.perf_counter()
     with run_log(run_dirs[0]):
         shared, members = plan_group(run_dirs)
@@ -71,19 +86,38 @@ def main(run_dirs: list[Path]) -> None:
             f.close()
 
 
+def _start_probe(run_dir: Path) -> None:
+    """Start the preflight's CUDA probe (exp.hardware.preflight.start_probe: a fresh Python that imports torch and
+    bitsandbytes and initialises CUDA, seconds) for the group's first job, in the background. A config that cannot
+    be read starts none: `plan_group` reports it."""
+    try:
+        cfg = load_run_config(run_dir)
+    except ConfigError:
+        return
+    start_probe(cfg.hardware.accelerator.value, cfg.quantization.quant_type.value)
+
+
 def plan_group(run_dirs: list[Path]) -> tuple[TrainConfig, list[Member]]:
     """The group's resolved config and its members. The preflight runs once, on the group's shape (every job's rows
     of a step together, exp.study.grouping.shared_config): a group that cannot run here fails every job with its
     findings. Each job then trains with the resolved hardware and its own micro-batch, recorded in its config.yaml,
     and continues its checkpoint when its config asks (trainer.resume); a job whose resume cannot be used fails
     alone."""
+    # The training code, with torch and Lightning: loaded after `main` started the probe.
+    from exp.study.group_member import Member
+    from exp.training.lifecycle import record_refused
+    from exp.training.pipeline import prepare_resume
+
     cfgs = [load_run_config(d) for d in run_dirs]
-    alone = run_preflight(cfgs[0])  # the micro-batch each job would take alone, and how it weights a step
+    # One probe for both preflights: the same process sees the same devices (and nothing has been allocated since).
+    need_gpus, check_bnb = probe_wanted(cfgs[0].hardware.accelerator.value, cfgs[0].quantization.quant_type.value)
+    env = probe_environment(check_bitsandbytes=check_bnb, need_gpus=need_gpus)
+    alone = run_preflight(cfgs[0], env)  # the micro-batch each job would take alone, and how it weights a step
     token_weighted = False
     if alone.ok:
         cfgs = with_micro_batch(cfgs, alone.cfg.hardware.micro_batch_size, alone.cfg.hardware.micro_batch_tokens)
         token_weighted = alone.cfg.hardware.padding_free and not alone.cfg.data.packing
-    check = run_preflight(shared_config(cfgs)) if alone.ok else alone
+    check = run_preflight(shared_config(cfgs), env) if alone.ok else alone
     if not check.ok:
         message = (
             f"{format_findings(check)}\n(the preflight of a group of {len(cfgs)} jobs sharing one base: every job's "
