@@ -320,7 +320,14 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
         lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp \
         ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
     dpostart)
-      stage dpostart 300 "${BENCH[@]}" model=gemma_2b objective=dpo data="$ALPACA" seq=1024 micro_batch=8 lr=$PREF_LR \
+      # The stage fails unless every variant's first loss is ln 2 to float32's last bit (1e-8; one step is 6e-8).
+      stage dpostart 300 bash -c '"${@:2}" && python3 -c "
+import glob, json, math, sys
+rows = json.load(open(max(glob.glob(sys.argv[1] + \"/bench-gemma_2b-dpo-*.json\"))))[\"rows\"]
+first = {r[\"variant\"]: (r.get(\"losses\") or [None])[0] for r in rows}
+print(\"dpostart: first losses\", first)
+sys.exit(any(v is None or abs(v - math.log(2)) > 1e-8 for v in first.values()))
+" "$1"' _ "$WORK/bench" "${BENCH[@]}" model=gemma_2b objective=dpo data="$ALPACA" seq=1024 micro_batch=8 lr=$PREF_LR \
         steps=2 warmup=1 variant=exp "variant=exp hardware.compile=false" ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
