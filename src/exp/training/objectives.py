@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from exp.core.config import DpoLoss, LossImpl, Objective, ObjectiveConfig
 from exp.model.build import REFERENCE_ADAPTER
@@ -111,18 +112,23 @@ def _compiled(model: nn.Module) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
+def _sharded(model: nn.Module) -> bool:
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 def _reference_grad(model: nn.Module) -> bool:
     """Whether the reference pass runs with gradients on (its outputs detached): where the layers are compiled and
-    the caller computes gradients, which is where the policy's pass runs its compiled training graph.
+    the caller computes gradients, which is where the policy's pass runs its compiled training graph. Not under
+    FSDP, whose forward with gradients on prepares a backward (gathering the shards again) that would never come.
 
     A compiled layer has a graph per grad mode. Without gradients it runs the inference graph, fused otherwise than
     the training graph the policy runs (whose partition keeps what the backward needs), and rounding otherwise: on
     an H100 the Gemma-2B shape started DPO at a loss of 0.684 with its layers compiled and at exactly ln 2 = 0.6931
-    eagerly (benchmarks/results/dpo_reference_h100_20261207). With gradients on, the reference runs the policy's
+    eagerly (benchmarks/results/h100_20261207b). With gradients on, the reference runs the policy's
     graph; it runs before the policy's pass, so its saved activations are freed before the policy's are made and the
     step's peak memory is the policy's. Eager layers compute the same numbers in either mode, so they keep
     `torch.no_grad` (no activations kept at all)."""
-    return torch.is_grad_enabled() and _compiled(model)
+    return torch.is_grad_enabled() and _compiled(model) and not _sharded(model)
 
 
 def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
