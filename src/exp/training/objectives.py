@@ -131,10 +131,18 @@ def _reference_grad(model: nn.Module) -> bool:
     return torch.is_grad_enabled() and _compiled(model) and not _sharded(model)
 
 
-def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
-    """The rows' log-probabilities under the reference (detached: no gradient flows from them)."""
+@contextlib.contextmanager
+def _reference_forward(model: nn.Module) -> Iterator[None]:
+    """Within: a forward of `model` is the reference's, in the grad mode `_reference_grad` picks (the caller detaches
+    what it keeps)."""
     graph = _reference_grad(model)
     with torch.set_grad_enabled(graph), reference_model(model, graph):
+        yield
+
+
+def reference_logps(model: nn.Module, batch: dict[str, torch.Tensor], impl: LossImpl) -> torch.Tensor:
+    """The rows' log-probabilities under the reference (detached: no gradient flows from them)."""
+    with _reference_forward(model):
         return row_logps(model, batch, impl)[0].detach()
 
 
@@ -205,8 +213,7 @@ def fused_preference_loss(
     hidden states, and the reference's (`reference_model`, detached) where the objective has one."""
     ref = None
     if o.uses_reference:  # first: its pass's memory is free before the policy's (`_reference_grad`)
-        graph = _reference_grad(model)
-        with torch.set_grad_enabled(graph), reference_model(model, graph):
+        with _reference_forward(model):
             ref = _hidden(model, batch)[0].detach()
     hidden, weight, labels = _hidden(model, batch)
     compiled = hidden.device.type == "cuda"  # liger's torch.compile of its chunk step: CUDA; eager on the CPU
