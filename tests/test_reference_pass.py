@@ -143,6 +143,28 @@ def test_the_reference_runs_first_in_the_policys_grad_mode_where_layers_are_comp
         assert torch.equal(dict(model.named_parameters())[name].grad, grad), name
 
 
+def test_under_fsdp_the_reference_of_compiled_layers_keeps_no_grad(tmp_path):
+    """Under FSDP a forward with gradients on prepares a backward (the shards gathered again) that never comes for
+    the reference: its pass keeps `no_grad` there even where the layers are compiled. A one-process gloo group wraps
+    the model as exp's FSDP strategy does (FullyShardedDataParallel)."""
+    # Only this test forms a process group.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].compile(backend="eager")
+    assert objectives._reference_grad(model)
+    with torch.no_grad():
+        assert not objectives._reference_grad(model)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="NO_SHARD"):  # one rank: nothing to shard, the wrapping is the same
+            sharded = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        assert not objectives._reference_grad(sharded)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_dora_takes_pefts_switch():
     """DoRA's output is rescaled by its trained magnitude over the weight's norm: a scaling of 0 is not the base, so
     the reference is PEFT's adapters-off pass. (Its policy is the base at the start only up to the rounding of that
