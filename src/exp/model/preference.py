@@ -89,7 +89,12 @@ def chunked_sequence_logps(
     picked_hidden = hidden.reshape(rows * width, hidden.shape[-1]).index_select(0, row * width + col)
     targets = labels[row, col + 1].long()
     per_token = _ChunkedTargetLogps.apply(picked_hidden, weight, targets, softcap, chunk_tokens)
-    sums = torch.zeros(rows, dtype=torch.float32, device=hidden.device).index_add(0, row, per_token)
+    # Laid back at their positions, then summed per row: an `index_add` by row adds with atomics on a GPU, in an
+    # order that varies from call to call, so the reference's and the policy's sums of the same numbers could part
+    # by a last bit (fresh adapters' DPO loss then leaves ln 2). Each position is written once: the same order every
+    # call.
+    per_position = torch.zeros(rows, width - 1, dtype=torch.float32, device=hidden.device)
+    sums = per_position.index_put((row, col), per_token).sum(-1)
     return sums, mask.sum(-1)
 
 
