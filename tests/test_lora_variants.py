@@ -141,6 +141,29 @@ def test_a_pattern_key_matching_no_layer_is_refused_at_build(tmp_path):
         build_model(cfg)
 
 
+def test_the_memory_estimate_counts_a_rank_pattern_as_peft_builds_it():
+    """The preflight's estimate takes each projection's rank from `lora.rank_pattern`: its trainable count is PEFT's
+    own where a key names a projection in every layer, and an upper bound where a key names one layer's."""
+    from exp.hardware.memory import config_arch, estimate_for_config, lora_param_count, pattern_ranks
+
+    def counts(overrides: list[str]) -> tuple[int, int, int]:
+        cfg = compose_typed(overrides)
+        model = build_model(cfg)
+        built = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lo = cfg.lora
+        ranks = pattern_ranks(lo.r, lo.rank_pattern, list(lo.target_modules))
+        counted = lora_param_count(config_arch(cfg), lo.r, list(lo.target_modules), cfg.model.family.value, ranks)
+        return built, counted, estimate_for_config(cfg).lora_params
+
+    plain_built, plain_counted, plain_bytes = counts([])
+    assert plain_built == plain_counted
+    built, counted, estimated_bytes = counts(["+lora.rank_pattern.v_proj=32"])
+    assert built == counted > plain_built
+    assert estimated_bytes - plain_bytes == 4 * (built - plain_built)  # fp32 adapters
+    built, counted, _ = counts(["++lora.rank_pattern={layers.0.self_attn.v_proj:32}"])
+    assert plain_built < built < counted  # layer 0 only in the model, every layer in the estimate
+
+
 def test_a_refused_variant_exits_non_zero_with_one_paragraph(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "exp.train", "lora.init=corda", f"hydra.run.dir={tmp_path / 'run'}"],

@@ -51,6 +51,7 @@ with benchmarks/memory_calibration.py (docs/bench.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -177,12 +178,31 @@ def base_param_count(arch: Mapping[str, Any], family: str = "gemma") -> int:
 
 
 def lora_param_count(
-    arch: Mapping[str, Any], lora_r: int, lora_targets: Sequence[str] | str, family: str = "gemma"
+    arch: Mapping[str, Any],
+    lora_r: int,
+    lora_targets: Sequence[str] | str,
+    family: str = "gemma",
+    lora_ranks: Mapping[str, int] | None = None,
 ) -> int:
     """Number of LoRA parameters: r x (in + out) per targeted Linear (A is r x in, B is out x r), in every layer for
-    a decoder projection, once for the head."""
+    a decoder projection, once for the head; `lora_ranks`: another r for the projections it names
+    (`pattern_ranks`)."""
     row = family_row(family)
-    return row.lora_param_count(row.sizes(arch), lora_r, [p.name for p in _targets(row, lora_targets)])
+    names = [p.name for p in _targets(row, lora_targets)]
+    return row.lora_param_count(row.sizes(arch), lora_r, names, lora_ranks)
+
+
+def pattern_ranks(lora_r: int, rank_pattern: Mapping[str, int], targets: Sequence[str]) -> dict[str, int]:
+    """The rank of each target projection that `lora.rank_pattern` sets: a key ends in a target's name (a module
+    name, or a path or regex ending in one: exp.core.config checks it). A key naming some layers only (a path such as
+    `model.layers.0.mlp.down_proj`) counts in every layer, and two keys ending in one name count at the larger rank:
+    an upper bound, so what the estimate lets through fits."""
+    ranks: dict[str, int] = {}
+    for key, rank in rank_pattern.items():
+        for name in targets:
+            if re.search(rf"(^|\.)({re.escape(name)})\$?$", key):
+                ranks[name] = max(ranks.get(name, lora_r), int(rank))
+    return ranks
 
 
 def _lora_input_bytes(n_targets: int, width: int, tokens: int, dropout: bool, c: int) -> int:
@@ -208,6 +228,7 @@ def _lora_saved_bytes(
     c: int,
     eager: bool,
     dora: bool = False,
+    lora_ranks: Mapping[str, int] | None = None,
 ) -> int:
     """What the LoRA branches on `targets` save for their backward: lora_A's input (`_lora_input_bytes`, shared by
     the branches reading one tensor), lora_B's input (T x r); under bf16 autocast also the bf16 casts of the fp32 A
@@ -227,11 +248,12 @@ def _lora_saved_bytes(
         if reads == ATTENTION_OUTPUT and not (dropout or eager):
             continue
         saved += _lora_input_bytes(len(group), group[0].shape(s)[0], tokens, dropout, c)
-    saved += len(targets) * c * tokens * lora_r  # lora_A outputs, saved by lora_B
+    rank = {p.name: (lora_ranks or {}).get(p.name, lora_r) for p in targets}
+    saved += c * tokens * sum(rank.values())  # lora_A outputs, saved by lora_B
     if dora:
         saved += sum((c + 4) * tokens * p.shape(s)[1] + 2 * 4 * p.shape(s)[1] for p in targets)
     if c == 2:
-        saved += 2 * sum(lora_r * sum(p.shape(s)) for p in targets)  # bf16 casts of the fp32 adapters
+        saved += 2 * sum(rank[p.name] * sum(p.shape(s)) for p in targets)  # bf16 casts of the fp32 adapters
     return saved
 
 
@@ -250,6 +272,7 @@ def _layer_saved_bytes(
     attn_softcap: bool,
     compiled: bool = False,
     dora: bool = False,
+    lora_ranks: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Bytes autograd saves for the backward of one decoder layer, by part (c = bytes of the activation dtype).
 
@@ -281,7 +304,7 @@ def _layer_saved_bytes(
     if row.qk_norm:
         parts["norms"] += 4 * t * (s.q_dim + s.kv_dim)
     parts["lora_inputs"] = _lora_saved_bytes(
-        targets, s, tokens=t, lora_r=lora_r, dropout=dropout, c=c, eager=eager, dora=dora
+        targets, s, tokens=t, lora_r=lora_r, dropout=dropout, c=c, eager=eager, dora=dora, lora_ranks=lora_ranks
     )
 
     kv_saved = s.q_dim if repeat_kv else s.kv_dim
@@ -374,6 +397,7 @@ def estimate_memory(
     rows_per_example: int = 1,
     reference_forward: bool = False,
     dora: bool = False,
+    lora_ranks: Mapping[str, int] | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of one training step on one device (see the module docstring for the model).
 
@@ -391,6 +415,8 @@ def estimate_memory(
         "paged_adamw_8bit" (2 bytes per parameter + a fp32 absmax per 256 values).
     lora_dropout: > 0 adds a mask and a dropped copy of every adapter input.
     dora: DoRA adapters (`lora.use_dora`): two saved products per projection and the column norms' temporaries.
+    lora_ranks: the rank of the projections `lora.rank_pattern` sets, by target name (`pattern_ranks`); the others
+        take `lora_r`.
     family / attn_implementation: a row of exp.model.families ("gemma" | "gemma2" | "gemma3": its norms, softcaps,
         sliding windows) and "sdpa" | "eager" (eager keeps batch x heads x seq x seq scores per layer).
     padding_mask: batches carry padding, so the attention mask is materialised; for GQA models transformers then
@@ -448,7 +474,7 @@ def estimate_memory(
 
     # Persistent: the trainable state. PEFT keeps adapters in fp32; gradients live from backward to the optimizer
     # step (and across micro-batches when accumulating), so they are counted too.
-    n_train = row.lora_param_count(s, lora_r, [p.name for p in targets])
+    n_train = row.lora_param_count(s, lora_r, [p.name for p in targets], lora_ranks)
     if any(m in row.vocabulary_modules for m in modules_to_save):
         n_train += s.vocab * s.hidden  # a full trainable copy of the tied table
     if optimizer in ("adamw", "paged_adamw_32bit"):
@@ -499,6 +525,7 @@ def estimate_memory(
             attn_softcap=attn_softcap,
             compiled=compiled,
             dora=dora,
+            lora_ranks=lora_ranks,
         )
     # Layer i's kind, as transformers assigns them (the family's sliding-window pattern).
     layer_saved = [
@@ -519,6 +546,7 @@ def estimate_memory(
         c=c,
         eager=eager,
         dora=dora,
+        lora_ranks=lora_ranks,
     )
     final = 4 * t * s.hidden + head_lora
     # Non-reentrant checkpointing keeps each checkpointed layer's input (an argument of its recompute) and nothing
@@ -652,6 +680,7 @@ def _model_kwargs(cfg: Any) -> dict[str, Any]:
         double_quant=bool(cfg.quantization.double_quant),
         lora_r=int(cfg.lora.r),
         lora_targets=list(cfg.lora.target_modules),
+        lora_ranks=pattern_ranks(int(cfg.lora.r), cfg.lora.rank_pattern, list(cfg.lora.target_modules)),
         modules_to_save=list(cfg.lora.modules_to_save),
         optimizer=_value(cfg.trainer.optimizer),
         family=_value(cfg.model.family),
@@ -762,5 +791,6 @@ __all__ = [
     "largest_micro_batch",
     "lora_param_count",
     "most_dequantized_layers",
+    "pattern_ranks",
     "suggest_micro_batch",
 ]

@@ -154,14 +154,16 @@ class Family:
         per_layer = sum(n_in * n_out for n_in, n_out in (p.shape(s) for p in self.projections))
         return tables * s.vocab * s.hidden + s.layers * per_layer
 
-    def lora_param_count(self, s: Sizes, r: int, targets: Iterable[str]) -> int:
-        """Parameters of LoRA rank `r` on `targets`: r x (in + out) per targeted Linear (A is r x in, B is out x r),
-        in every decoder layer for a projection, once for the head."""
+    def lora_param_count(self, s: Sizes, r: int, targets: Iterable[str], ranks: Mapping[str, int] | None = None) -> int:
+        """Parameters of LoRA rank `r` on `targets` (`ranks`: another rank for the projections it names):
+        rank x (in + out) per targeted Linear (A is rank x in, B is out x rank), in every decoder layer for a
+        projection, once for the head."""
+        ranks = ranks or {}
         total = 0
         for name in dict.fromkeys(targets):
             p = self.target(name)
             n_in, n_out = p.shape(s)
-            total += r * (n_in + n_out) * (s.layers if p.per_layer else 1)
+            total += ranks.get(name, r) * (n_in + n_out) * (s.layers if p.per_layer else 1)
         return total
 
     def layer_is_global(self, i: int, windowed: bool) -> bool:
