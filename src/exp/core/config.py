@@ -1009,14 +1009,19 @@ def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     ]
 
 
+def pattern_key_target(key: str, targets: list[str]) -> str | None:
+    """The target module a `lora.rank_pattern` / `lora.alpha_pattern` key ends in (a name, or a path or regex ending
+    in one, as PEFT matches a key against the end of a module path), or None."""
+    return next((t for t in targets if re.search(rf"(^|\.)({re.escape(t)})\$?$", key)), None)
+
+
 def _lora_problems(cfg: TrainConfig) -> list[str]:
     """The LoRA variants' rules: pattern keys that name a target, and the initialisations PEFT can run on this base."""
     lo, q, hw = cfg.lora, cfg.quantization, cfg.hardware
     p: list[str] = []
-    targets = "|".join(map(re.escape, lo.target_modules)) or "(?!)"
     for key_name, pattern in (("rank_pattern", lo.rank_pattern), ("alpha_pattern", lo.alpha_pattern)):
         for key, value in pattern.items():
-            if not re.search(rf"(^|\.)({targets})\$?$", key):  # a name, or a path or regex ending in one
+            if pattern_key_target(key, list(lo.target_modules)) is None:
                 p.append(
                     f"lora.{key_name}: the key '{key}' names no module of lora.target_modules={list(lo.target_modules)} "
                     "(PEFT matches a key against the end of a module path, so it must end in a target, e.g. "

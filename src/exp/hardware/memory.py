@@ -51,12 +51,11 @@ with benchmarks/memory_calibration.py (docs/bench.md).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from exp.core.config import Accelerator, ConfigError
+from exp.core.config import Accelerator, ConfigError, pattern_key_target
 from exp.core.constants import CHUNK_LOGIT_BYTES
 from exp.model.families import (
     ATTENTION_OUTPUT,
@@ -199,9 +198,8 @@ def pattern_ranks(lora_r: int, rank_pattern: Mapping[str, int], targets: Sequenc
     an upper bound, so what the estimate lets through fits."""
     ranks: dict[str, int] = {}
     for key, rank in rank_pattern.items():
-        for name in targets:
-            if re.search(rf"(^|\.)({re.escape(name)})\$?$", key):
-                ranks[name] = max(ranks.get(name, lora_r), int(rank))
+        if (name := pattern_key_target(key, list(targets))) is not None:
+            ranks[name] = max(ranks.get(name, lora_r), int(rank))
     return ranks
 
 
