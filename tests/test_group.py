@@ -401,13 +401,16 @@ def test_the_gpus_launcher_trains_a_study_as_one_group(tmp_path):
 
 @pytest.mark.slow
 def test_the_gpu_configuration_on_the_cpu_groups_as_alone(tmp_path):
-    """CPU twin of `hardware=gpu` (padding-free alone, two micro-batches a step): the group trains padded rows, and
-    weights each job's micro-batches by their loss tokens as the padding-free run does, so every validation agrees
-    within 1e-5. (train/loss is the step's last micro-batch, and padding-free rows cut a step's examples into other
-    micro-batches: that display value differs, the step's gradient does not.)"""
+    """CPU twin of `hardware=gpu` (padding-free alone, two micro-batches a step, compiled as on a GPU): the group
+    trains padded rows, and weights each job's micro-batches by their loss tokens as the padding-free run does, so
+    every validation agrees within 1e-5. Alone, each job compiles its whole decoder layers; the group compiles the
+    parts of its layers without adapters (exp.model.build.compile_adapter_free_parts). (train/loss is the step's last
+    micro-batch, and padding-free rows cut a step's examples into other micro-batches: that display value differs,
+    the step's gradient does not.)"""
     from exp.train import run
 
-    twin = ["hardware=gpu", "hardware.accelerator=cpu", "trainer.global_batch_size=8", "hardware.micro_batch_size=4"]
+    twin = ["hardware=gpu", "hardware.accelerator=cpu", "trainer.global_batch_size=8", "hardware.micro_batch_size=4",
+            "hardware.compile=true"]  # fmt: skip
     jobs = [[*twin, *JOBS[0]], [*twin, *JOBS[1]]]
     group = _group_dirs([(tmp_path / f"group{i}", job) for i, job in enumerate(jobs)])
     with ThreadPoolExecutor(max_workers=1) as pool:  # the group's process goes on while this one trains them alone
@@ -423,6 +426,10 @@ def test_the_gpu_configuration_on_the_cpu_groups_as_alone(tmp_path):
         assert _summary(tmp_path / f"group{i}")["final_val"]["val/loss"] == pytest.approx(
             _summary(tmp_path / f"alone{i}")["final_val"]["val/loss"], rel=1e-5
         )
+        assert _summary(tmp_path / f"group{i}")["compile"]["graphs"] >= 1  # compiled, not run eagerly
+        train_log = (tmp_path / f"group{i}" / "train.log").read_text()
+        # The MLP and the norms hold no adapter (LoRA on q_proj and v_proj); the attention's projections stay eager.
+        assert "compiled in every decoder layer: mlp, input_layernorm, post_attention_layernorm " in train_log
 
 
 @pytest.mark.slow

@@ -312,7 +312,11 @@ def build_model(
                 p.data = p.data.to(dtype)
     if cfg.hardware.compile is True:  # "auto" is resolved by the preflight; unresolved, it stays eager
         log.info("compile caches: %s", use_compile_cache())
-        compile_decoder_layers(model)
+        if adapters is not None:  # several adapters: their routing stays eager (compile_adapter_free_parts says why)
+            parts = compile_adapter_free_parts(model)
+            log.info("compiled in every decoder layer: %s (the parts without adapters)", ", ".join(parts) or "none")
+        else:
+            compile_decoder_layers(model)
     # from_pretrained returns eval mode, where dropout and gradient checkpointing are inactive.
     model.train()
     return model
@@ -375,6 +379,44 @@ def compile_decoder_layers(model: nn.Module) -> None:
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(model):
         layer.compile()
+
+
+def compile_adapter_free_parts(model: nn.Module) -> list[str]:
+    """torch.compile, in every decoder layer, the largest submodules that hold no LoRA layer (the norms, an MLP
+    without adapters, Gemma 3's query and key norms), in place; returns their names (relative to a layer, once each).
+
+    For several adapters over one base (exp.model.adapters.RowRouter): the router's hooks on the LoRA layers route
+    each micro-batch's rows by Python lists that change every step, which a compiled graph would take as constants
+    and recompile on. The parts without adapters have no routing, so they compile once (dynamic in the token count
+    from their second shape on) and fuse their pointwise work (RMSNorm's fp32 arithmetic, GeGLU) as a compiled single
+    job's layers do. A lone Linear (a projection without adapters) is left eager: compiling one product fuses nothing.
+    """
+    from peft.tuners.lora import LoraLayer  # a PEFT model already: PEFT is loaded
+
+    def has_lora(module: nn.Module) -> bool:
+        return any(isinstance(m, LoraLayer) for m in module.modules())
+
+    def worth_compiling(module: nn.Module) -> bool:
+        # A parameterless leaf (an activation, dropout) is one kernel however it runs.
+        leaf = next(module.children(), None) is None
+        return not isinstance(module, nn.Linear) and not (leaf and next(module.parameters(), None) is None)
+
+    compiled: dict[str, None] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, LoraLayer):
+                continue  # its routed adapters run eager, its base layer is one product
+            if has_lora(child):
+                visit(child, f"{path}.")
+            elif worth_compiling(child):
+                child.compile()
+                compiled[path] = None
+
+    for layer in decoder_layers(model):
+        visit(layer, "")
+    return list(compiled)
 
 
 def count_parameters(model: nn.Module) -> dict[str, Any]:

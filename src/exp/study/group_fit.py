@@ -35,6 +35,7 @@ from exp.data.batching import sequence_boundaries
 from exp.data.datamodule import build_run_datamodule
 from exp.model.adapters import RowRouter, adapter_parameters, save_adapter
 from exp.model.build import build_model, build_tokenizer, quiet_third_party_logs
+from exp.model.compile_cache import compile_summary
 from exp.model.loss import chunked_linear_cross_entropy, head_inputs, liger_linear_cross_entropy, resolve_loss_impl
 from exp.model.metrics import add_sums, chunked_response_metrics, example_ids, response_metrics, validation_rates
 from exp.run.checkpoints import read_checkpoint
@@ -356,6 +357,8 @@ def _fail(m: Member, message: str) -> None:
 VAL_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
+# Eager, as a single run validates: without gradients every compiled part would compile again.
+@torch.compiler.set_stance("force_eager")
 @torch.no_grad()
 def _validate(
     model: nn.Module, router: RowRouter, members: list[Member], impl: LossImpl, step: int | None, device: torch.device
@@ -473,6 +476,7 @@ def _finish_member(m: Member, model: nn.Module, tokenizer: Any, members: list[Me
         "resumed_from": m.resumed_from,
         "data": m.datamodule.stats,
         "validation_seconds": m.validation_times,
+        "compile": compile_summary() if m.cfg.hardware.compile is True else None,  # the group's process'
         # The jobs this one trained beside over one base (throughput and peak memory are the group's process').
         "group": {"size": len(members), "jobs": [o.run_dir.name for o in members], "adapter": m.adapter},
     }

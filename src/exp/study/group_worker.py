@@ -118,6 +118,10 @@ def plan_group(run_dirs: list[Path]) -> tuple[TrainConfig, list[Member]]:
         cfgs = with_micro_batch(cfgs, alone.cfg.hardware.micro_batch_size, alone.cfg.hardware.micro_batch_tokens)
         token_weighted = alone.cfg.hardware.padding_free and not alone.cfg.data.packing
     check = run_preflight(shared_config(cfgs), env) if alone.ok else alone
+    if check.ok and check is not alone:
+        # The group compiles what a job alone would (its parts without adapters, exp.model.build); its memory was
+        # planned eager, an upper bound (compiled parts save less for backward).
+        check.cfg.hardware.compile = alone.cfg.hardware.compile
     if not check.ok:
         message = (
             f"{format_findings(check)}\n(the preflight of a group of {len(cfgs)} jobs sharing one base: every job's "
