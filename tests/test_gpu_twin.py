@@ -23,6 +23,7 @@ import lightning as L
 import pytest
 import torch
 
+from exp.model.build import LAYER_GRAPHS
 from exp.training.precision import FusedOptimizerMixedPrecision, build_precision_plugin
 
 CLIP = 0.05  # far below the gradient norm of these steps, so clipping changes every update
@@ -206,6 +207,9 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
     assert summary["compile"]["graphs"] >= 1 and summary["compile"]["seconds"] > 0  # compiled, not run eagerly
+    # Three kinds of layer here (kept and recomputed, 4-bit and recomputed, 4-bit): a graph each per shape, more than
+    # torch's default limit of 8 where the example count varies too (varlen attention on a GPU).
+    assert torch._dynamo.config.recompile_limit >= LAYER_GRAPHS > 3 * 3
 
 
 def test_gpu_runs_get_expandable_allocator_segments_unless_the_user_chose(monkeypatch):

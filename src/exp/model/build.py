@@ -377,8 +377,26 @@ def compile_decoder_layers(model: nn.Module) -> None:
 
     if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch versions that have it
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    allow_layer_graphs()
     for layer in decoder_layers(model):
         layer.compile()
+
+
+# The graphs one compiled frame may hold before Dynamo runs every call it has no graph for eagerly, for the rest of
+# the process (torch's `recompile_limit`, 8 by default). One decoder layer's code serves layers of up to four kinds
+# (kept dequantized weights or 4-bit, recomputed or not: Dynamo guards on a submodule's type and on the layer's
+# `gradient_checkpointing` flag), each at up to three shapes (exp.model.compile_cache): up to 12 graphs. On one H100
+# the Gemma-2B shape with 5 of 18 layers kept hit the default limit at its tenth step, and so did the 7B shape, each
+# layer kind's later shapes then running eager (benchmarks/results/h100_20261207b/group_2b/warm.txt,
+# benchmarks/results/families_h100_20261206/call3/gemma_7b_first.txt).
+LAYER_GRAPHS = 32
+
+
+def allow_layer_graphs() -> None:
+    """Let each compiled frame hold LAYER_GRAPHS graphs (a larger limit the user set stays)."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, LAYER_GRAPHS)
 
 
 def compile_adapter_free_parts(model: nn.Module) -> list[str]:
@@ -402,6 +420,7 @@ def compile_adapter_free_parts(model: nn.Module) -> list[str]:
         return not isinstance(module, nn.Linear) and not (leaf and next(module.parameters(), None) is None)
 
     compiled: dict[str, None] = {}
+    allow_layer_graphs()
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
