@@ -94,14 +94,13 @@ class FusedLoraLinear4bit(LoraLinear4bit):
         name = adapters[0]
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
         packed = base.packed
-        scaling = self.scaling[name]
-        if scaling != 0:
-            with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
-                packed[:, base.in_features :].copy_(lora_b.weight)
-        # else the reference pass (exp.model.reference): the same product with the LoRA columns of the input 0. The
-        # packed B is left alone: the policy's forward saved it for its backward, which an in-place copy would break.
+        with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
+            packed[:, base.in_features :].copy_(lora_b.weight)
         inp = x if torch.is_autocast_enabled() else x.to(lora_a.weight.dtype)  # as PEFT casts for the LoRA branch
-        xa = lora_a(self.lora_dropout[name](inp)) * scaling
+        # The scaling as a tensor (`lora_scale`), not PEFT's float: the reference pass (exp.model.reference) sets it
+        # to 0 and runs this same code, so that a compiled layer runs the policy's own graph. A float would be a
+        # constant of the graph, and 0 another graph, whose kernels round otherwise.
+        xa = lora_a(self.lora_dropout[name](inp)) * self.lora_scale[name]
         y = _BaseAndLoraProduct.apply(x.to(packed.dtype), xa.to(packed.dtype), packed, lora_b.weight)
         return y.to(x.dtype)
 
@@ -138,5 +137,9 @@ def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
             if r:
                 module.packed = w
                 lora.__class__ = FusedLoraLinear4bit
+                lora.lora_scale = {
+                    name: torch.tensor(float(s), dtype=torch.float32, device=weight.device)
+                    for name, s in lora.scaling.items()
+                }
             kept += w.numel() * w.element_size()
     return kept

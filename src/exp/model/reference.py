@@ -11,7 +11,10 @@ adds up over a completion: an H200 run of the Gemma-7B shape started DPO at a lo
 
 `reference_pass` instead sets LoRA's scaling to 0 for the pass: every layer runs the code it runs for the policy,
 its LoRA product multiplied by 0 adds exact zeros (the fused product adds 0 x B in the same kernel), so the result
-is the base computed the policy's way. Where a scaling of 0 is not the base, PEFT's switch is used: a LoRA variant
+is the base computed the policy's way. The fused layer reads its scaling from a tensor, so that a compiled layer runs
+the very graph of the policy: with PEFT's float scaling, 0 was a constant of another graph, and on one H100 the
+Gemma-7B shape with every layer kept and fused started DPO at 0.7076 (compiled) against exactly ln 2 (eager, or
+compiled without the fused product; benchmarks/results/h100_20261207d). Where a scaling of 0 is not the base, PEFT's switch is used: a LoRA variant
 (DoRA rescales the whole output by its trained magnitude), `lora.modules_to_save` (trained copies of whole modules)
 or trained biases (`lora.bias`).
 """
@@ -56,8 +59,12 @@ def reference_pass(model: nn.Module) -> Iterator[None]:
         for layer in layers:  # every adapter's, not only the active one's: exp.model.adapters adds inactive ones too
             for name in layer.scaling:
                 layer.scaling[name] = 0.0
+            for scale in getattr(layer, "lora_scale", {}).values():  # a fused layer's (exp.model.dequantized)
+                scale.fill_(0.0)
         yield
     finally:
         for layer, scaling in zip(layers, saved, strict=True):
             layer.scaling.clear()
             layer.scaling.update(scaling)
+            for name, scale in getattr(layer, "lora_scale", {}).items():
+                scale.fill_(float(scaling[name]))
