@@ -73,6 +73,31 @@ def test_the_reference_pass_runs_the_policys_fused_product_with_lora_off(twin, m
     assert [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)] == scalings  # restored
 
 
+def test_a_compiled_fused_layer_runs_the_policys_graph_for_the_reference():
+    """Compiled, a fused layer is one graph for the policy's pass and the reference's: its scaling is a tensor the
+    reference pass sets to 0, not a float Dynamo would take as a constant of another graph (on an H100 that graph
+    rounded otherwise: the Gemma-7B shape started DPO at 0.7076). Dynamo alone (a counting backend), no Inductor."""
+    model = build_model(compose_typed(TWIN), "cpu")
+    layer = next(m for m in model.modules() if type(m) is dequantized.FusedLoraLinear4bit)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()  # no graph of an earlier test's compiled layers
+    layer.compile(backend=counting)
+    x = torch.randn(2, 5, layer.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        policy = layer(x)
+        with reference_pass(model):
+            reference = layer(x)
+        again = layer(x)
+    assert len(graphs) == 1  # the reference pass compiled nothing of its own
+    assert torch.equal(reference, policy) and torch.equal(again, policy)  # B is 0: the reference is the policy
+    assert all(float(s) == layer.scaling[name] for name, s in layer.lora_scale.items())  # restored
+
+
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
 def test_fresh_adapters_start_dpo_at_ln2_with_zero_rewards(twin, impl):
     if impl == LossImpl.liger:
