@@ -138,12 +138,14 @@ def test_the_reference_runs_first_in_the_policys_grad_mode_where_layers_are_comp
     """A compiled layer has a graph per grad mode, and the two round differently on a GPU: where the layers are
     compiled the reference pass runs with gradients on (the policy's graph), before the policy's pass (so its saved
     activations are gone before the policy's are made), and no gradient flows through it. Eager layers keep it
-    without gradients. (`backend="eager"`: Dynamo's capture without Inductor, for the grad mode alone.)"""
+    without gradients. (`backend="aot_eager"`: Dynamo's capture and AOTAutograd's joint graph, as Inductor gets them,
+    without code generation. With `backend="eager"`, run after tests/test_gpu_twin.py in one process, the
+    checkpointed layers' recomputation replayed other operations than their forward ran, and the backward failed.)"""
     cfg = compose_typed(TWIN)
     model = build_model(cfg, "cpu")
     if compiled:
         for layer in decoder_layers(model):
-            layer.compile(backend="eager")
+            layer.compile(backend="aot_eager")
     lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
     seen: list[tuple[bool, bool]] = []  # per pass to the head: (LoRA switched off, gradients on)
     head_inputs = objectives.head_inputs
