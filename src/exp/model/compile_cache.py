@@ -10,9 +10,9 @@ Varying micro-batch lengths (padding-free rows) do not compile once per length: 
 compile a static graph at the first length and a graph with a symbolic length at the second, which serves every
 later one; padding-free rows are rounded to `exp.data.padding_free.PAD_MULTIPLE` tokens besides. The first
 micro-batch whose number of examples differs from the earlier ones' compiles once more (a guard on the size of
-`cu_seq_lens_q`): at most three graphs per compiled frame and kind of layer (exp.model.build.LAYER_GRAPHS). On one H100, a 200-step Gemma-7B-shape run on
-`alpaca_en_demo.json` compiled 4 graphs in 34.5 s, about what its first two steps took beyond two median steps
-(35.0 s), and no later step was slow but the one that wrote a checkpoint
+`cu_seq_lens_q`): at most three graphs per compiled frame and kind of layer (exp.model.build.LAYER_GRAPHS). On one
+H100, a 200-step Gemma-7B-shape run on `alpaca_en_demo.json` compiled 4 graphs in 34.5 s, about what its first two
+steps took beyond two median steps (35.0 s), and no later step was slow but the one that wrote a checkpoint
 (benchmarks/results/padding_free_h100_20261206/); on `alpaca_zh_demo.json` the example count first changed at
 step 16, whose third compile took 11.65 s (6 graphs; benchmarks/results/real200zh_h100_20261206/).
 """

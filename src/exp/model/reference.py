@@ -14,9 +14,9 @@ its LoRA product multiplied by 0 adds exact zeros (the fused product adds 0 x B 
 is the base computed the policy's way. The fused layer reads its scaling from a tensor, so that a compiled layer runs
 the very graph of the policy: with PEFT's float scaling, 0 was a constant of another graph, and on one H100 the
 Gemma-7B shape with every layer kept and fused started DPO at 0.7076 (compiled) against exactly ln 2 (eager, or
-compiled without the fused product; benchmarks/results/h100_20261207d). Where a scaling of 0 is not the base, PEFT's switch is used: a LoRA variant
-(DoRA rescales the whole output by its trained magnitude), `lora.modules_to_save` (trained copies of whole modules)
-or trained biases (`lora.bias`).
+compiled without the fused product; benchmarks/results/h100_20261207d). Where a scaling of 0 is not the base,
+PEFT's switch is used: a LoRA variant (DoRA rescales the whole output by its trained magnitude),
+`lora.modules_to_save` (trained copies of whole modules) or trained biases (`lora.bias`).
 """
 
 from __future__ import annotations

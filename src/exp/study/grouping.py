@@ -62,12 +62,13 @@ def shared_config(cfgs: list[TrainConfig]) -> TrainConfig:
     The memory is planned eager: a group compiles only the parts of its layers without adapters (the routing, a
     Python list per forward, would be a constant of every graph; exp.model.build.compile_adapter_free_parts), so a
     compiled layer's smaller saved activations are not counted (exp.study.group_worker restores the job's choice
-    after the preflight). Kept weights fused with one job's LoRA would hold that job's adapter only. Padding-free jobs stay padding-free: their micro-batches are
-    laid end to end in one row (exp.study.group_fit). Each job keeps its micro-batch and token budget
-    (`with_micro_batch`; no auto_micro_batch: the jobs' parts must line up); the preflight resolves what remains
-    `auto` (recomputed and kept-dequantized layers) for all the parts of a group step, so the group's choices fit
-    the group, within the sum of the jobs' memory budgets where each sets one. `lora` is what the memory estimate
-    reads (the model takes each job's own): one adapter as large as all of the jobs' together."""
+    after the preflight). Kept weights fused with one job's LoRA would hold that job's adapter only. Padding-free
+    jobs stay padding-free: their micro-batches are laid end to end in one row (exp.study.group_fit). Each job keeps
+    its micro-batch and token budget (`with_micro_batch`; no auto_micro_batch: the jobs' parts must line up); the
+    preflight resolves what remains `auto` (recomputed and kept-dequantized layers) for all the parts of a group
+    step, so the group's choices fit the group, within the sum of the jobs' memory budgets where each sets one.
+    `lora` is what the memory estimate reads (the model takes each job's own): one adapter as large as all of the
+    jobs' together."""
     cfg = copy.deepcopy(cfgs[0])
     hw = cfg.hardware
     hw.compile = False
