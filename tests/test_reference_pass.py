@@ -1,5 +1,5 @@
 """DPO's reference pass (exp.model.reference) on the GPU configuration's model, built on the CPU: the policy's own
-path with LoRA's scaling 0, so fresh adapters give a DPO loss of exactly ln 2 and rewards of exactly 0 whatever
+path with LoRA's A zeroed, so fresh adapters give a DPO loss of exactly ln 2 and rewards of exactly 0 whatever
 kernels, fusions and loss implementation the policy runs through.
 
 On the CPU the kernels of the fused `[W | B]` product and of the plain `W` product happen to round alike, so the
@@ -19,7 +19,7 @@ from test_gpu_objectives import _batch
 from exp.core.config import LossImpl
 from exp.model import dequantized
 from exp.model.build import build_model, decoder_layers
-from exp.model.reference import reference_pass, scaling_switch_problem
+from exp.model.reference import reference_pass, zeroed_a_problem
 from exp.training import objectives
 from exp.training.objectives import preference_loss, reference_logps, row_logps
 
@@ -54,7 +54,7 @@ def twin():
 
 def test_the_reference_pass_runs_the_policys_fused_product_with_lora_off(twin, monkeypatch):
     cfg, model, batch = twin
-    assert scaling_switch_problem(model) is None
+    assert zeroed_a_problem(model) is None
     calls: list[bool] = []  # per fused product: whether LoRA's input columns are nonzero
     forward = dequantized._BaseAndLoraProduct.forward
 
@@ -73,12 +73,19 @@ def test_the_reference_pass_runs_the_policys_fused_product_with_lora_off(twin, m
     assert [dict(m.scaling) for m in model.modules() if isinstance(m, LoraLayer)] == scalings  # restored
 
 
-def test_a_compiled_fused_layer_runs_the_policys_graph_for_the_reference():
-    """Compiled, a fused layer is one graph for the policy's pass and the reference's: its scaling is a tensor the
-    reference pass sets to 0, not a float Dynamo would take as a constant of another graph (on an H100 that graph
-    rounded otherwise: the Gemma-7B shape started DPO at 0.7076). Dynamo alone (a counting backend), no Inductor."""
-    model = build_model(compose_typed(TWIN), "cpu")
-    layer = next(m for m in model.modules() if type(m) is dequantized.FusedLoraLinear4bit)
+def test_a_compiled_decoder_layer_runs_the_policys_graph_for_the_reference():
+    """Compiled, a decoder layer is one graph for the policy's pass and the reference's, with LoRA on every projection:
+    fused ones (`[W | B]`: q, o, gate and up here) and PEFT's own (k, v and down, which read PEFT's float scaling). The
+    reference pass zeroes A, a tensor the graph takes as an input; a scaling of 0 would be a constant of another graph
+    (on an H100 the Gemma-7B shape started DPO at 0.7076 with that second graph). Dynamo alone (a counting backend), no
+    Inductor."""
+    cfg = compose_typed([*TWIN, "lora=all_linear", "hardware.gradient_checkpointing=false"])
+    model = build_model(cfg, "cpu")
+    layer = decoder_layers(model)[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert type(attn.q_proj) is dequantized.FusedLoraLinear4bit and type(mlp.up_proj) is dequantized.FusedLoraLinear4bit
+    assert isinstance(mlp.down_proj, LoraLayer) and type(mlp.down_proj) is not dequantized.FusedLoraLinear4bit
+    a_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
     graphs = []
 
     def counting(gm, example_inputs):
@@ -87,15 +94,27 @@ def test_a_compiled_fused_layer_runs_the_policys_graph_for_the_reference():
 
     torch._dynamo.reset()  # no graph of an earlier test's compiled layers
     layer.compile(backend=counting)
-    x = torch.randn(2, 5, layer.in_features)
+    x = torch.randn(1, 5, model.config.hidden_size)
+    position_ids = torch.arange(5)[None]
+    inputs = dict(position_embeddings=model.base_model.model.model.rotary_emb(x, position_ids), attention_mask=None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        policy = layer(x)
+        policy = layer(x, **inputs)
         with reference_pass(model):
-            reference = layer(x)
-        again = layer(x)
+            reference = layer(x, **inputs)
+        again = layer(x, **inputs)
     assert len(graphs) == 1  # the reference pass compiled nothing of its own
     assert torch.equal(reference, policy) and torch.equal(again, policy)  # B is 0: the reference is the policy
-    assert all(float(s) == layer.scaling[name] for name, s in layer.lora_scale.items())  # restored
+    assert all(torch.equal(p, a_before[n]) for n, p in model.named_parameters() if "lora_A" in n)  # A restored
+
+
+def test_the_reference_pass_restores_a_when_the_pass_fails(twin):
+    """A failing pass (out of memory, an interrupt) still leaves every adapter's A as it was."""
+    cfg, model, batch = twin
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+    with pytest.raises(RuntimeError, match="stopped"), reference_pass(model):
+        assert all(not p.any() for n, p in model.named_parameters() if "lora_A" in n)
+        raise RuntimeError("stopped")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_A" in n)
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
@@ -151,7 +170,7 @@ def test_the_reference_runs_first_in_the_policys_grad_mode_where_layers_are_comp
     head_inputs = objectives.head_inputs
 
     def spied(m, inputs):
-        seen.append((all(s == 0.0 for layer in lora for s in layer.scaling.values()), torch.is_grad_enabled()))
+        seen.append((all(not a.weight.any() for layer in lora for a in layer.lora_A.values()), torch.is_grad_enabled()))
         return head_inputs(m, inputs)
 
     monkeypatch.setattr(objectives, "head_inputs", spied)
@@ -193,12 +212,12 @@ def test_under_fsdp_the_reference_of_compiled_layers_keeps_no_grad(tmp_path):
 
 
 def test_dora_takes_pefts_switch():
-    """DoRA's output is rescaled by its trained magnitude over the weight's norm: a scaling of 0 is not the base, so
+    """DoRA's output is rescaled by its trained magnitude over the weight's norm: a zero A does not give the base, so
     the reference is PEFT's adapters-off pass. (Its policy is the base at the start only up to the rounding of that
     norm: its step-0 rewards are near 0, not exactly 0.)"""
     cfg = compose_typed([*TWIN, "lora.use_dora=true"])
     model = build_model(cfg, "cpu")
-    assert "DoRA" in scaling_switch_problem(model)
+    assert "DoRA" in zeroed_a_problem(model)
     loss, sums = _step(model, _batch(cfg, 4), cfg, LossImpl.chunked)
     assert abs(sums["rewards_chosen"].item()) < 0.05 and abs(loss.item() - LN2) < 0.01
     with reference_pass(model):

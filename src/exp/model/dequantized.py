@@ -97,10 +97,7 @@ class FusedLoraLinear4bit(LoraLinear4bit):
         with torch.no_grad():  # B trains: its current values, in the compute dtype, next to the frozen weight
             packed[:, base.in_features :].copy_(lora_b.weight)
         inp = x if torch.is_autocast_enabled() else x.to(lora_a.weight.dtype)  # as PEFT casts for the LoRA branch
-        # The scaling as a tensor (`lora_scale`), not PEFT's float: the reference pass (exp.model.reference) sets it
-        # to 0 and runs this same code, so that a compiled layer runs the policy's own graph. A float would be a
-        # constant of the graph, and 0 another graph, whose kernels round otherwise.
-        xa = lora_a(self.lora_dropout[name](inp)) * self.lora_scale[name]
+        xa = lora_a(self.lora_dropout[name](inp)) * self.scaling[name]
         y = _BaseAndLoraProduct.apply(x.to(packed.dtype), xa.to(packed.dtype), packed, lora_b.weight)
         return y.to(x.dtype)
 
@@ -137,9 +134,5 @@ def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
             if r:
                 module.packed = w
                 lora.__class__ = FusedLoraLinear4bit
-                lora.lora_scale = {
-                    name: torch.tensor(float(s), dtype=torch.float32, device=weight.device)
-                    for name, s in lora.scaling.items()
-                }
             kept += w.numel() * w.element_size()
     return kept

@@ -9,14 +9,17 @@ pick a kernel that rounds differently) than the disabled layer's `W` alone; and 
 graph without the LoRA nodes, whose fusions may round differently. With random weights, every token's difference
 adds up over a completion: an H200 run of the Gemma-7B shape started DPO at a loss of 0.677 instead of 0.693.
 
-`reference_pass` instead sets LoRA's scaling to 0 for the pass: every layer runs the code it runs for the policy,
-its LoRA product multiplied by 0 adds exact zeros (the fused product adds 0 x B in the same kernel), so the result
-is the base computed the policy's way. The fused layer reads its scaling from a tensor, so that a compiled layer runs
-the very graph of the policy: with PEFT's float scaling, 0 was a constant of another graph, and on one H100 the
-Gemma-7B shape with every layer kept and fused started DPO at 0.7076 (compiled) against exactly ln 2 (eager, or
-compiled without the fused product; benchmarks/results/h100_20261207d). Where a scaling of 0 is not the base,
-PEFT's switch is used: a LoRA variant (DoRA rescales the whole output by its trained magnitude),
-`lora.modules_to_save` (trained copies of whole modules) or trained biases (`lora.bias`).
+`reference_pass` instead zeroes LoRA's A in every layer for the pass (saved before and copied back after): every
+layer runs the code it runs for the policy, its LoRA product adds exact zeros (the fused product multiplies B by
+zeros in the same kernel), so the result is the base computed the policy's way. Nothing a compiled graph holds as a
+constant changes, only the values of tensors the graph takes as inputs, so a compiled layer runs the policy's very
+graph and compiles none of its own. Setting PEFT's float scaling to 0 instead changes a constant of every compiled
+layer that holds a LoRA layer: another graph, whose kernels may round otherwise (on one H100 the Gemma-7B shape, its
+layers compiled with every projection adapted, started DPO at 0.7076 where the eager layers gave exactly ln 2;
+benchmarks/results/h100_20261207e). The copy of A costs r x in_features values per adapted layer while the pass
+lasts (Gemma-7B, r=16 on all seven projections: 79 MB in fp32). Where zeroing A does not give the base, PEFT's switch
+is used: a LoRA variant (DoRA rescales the whole output by its trained magnitude), `lora.modules_to_save` (trained
+copies of whole modules) or trained biases (`lora.bias`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
@@ -33,8 +37,8 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
-def scaling_switch_problem(model: nn.Module) -> str | None:
-    """Why a LoRA scaling of 0 would not give this model's base (None: it does)."""
+def zeroed_a_problem(model: nn.Module) -> str | None:
+    """Why zeroing LoRA's A would not give this model's base (None: it does)."""
     if any(isinstance(m, ModulesToSaveWrapper) for m in model.modules()):
         return "lora.modules_to_save trains copies of whole modules"
     if any(getattr(c, "bias", "none") != "none" for c in getattr(model, "peft_config", {}).values()):
@@ -49,22 +53,29 @@ def scaling_switch_problem(model: nn.Module) -> str | None:
 def reference_pass(model: nn.Module) -> Iterator[None]:
     """Within: the PEFT `model` computes the reference (its base), through the policy's own path where it can (the
     module docstring). No gradients are switched off here: the caller's `torch.no_grad()` does that."""
-    if scaling_switch_problem(model) is not None:
+    if zeroed_a_problem(model) is not None:
         with model.disable_adapter():
             yield
         return
-    layers = _lora_layers(model)
-    saved = [dict(layer.scaling) for layer in layers]
+    # Every adapter's, not only the active one's: exp.model.adapters adds inactive ones too.
+    weights = [w for layer in _lora_layers(model) for w in _lora_a_weights(layer)]
+    saved = [w.detach().clone() for w in weights]
     try:
-        for layer in layers:  # every adapter's, not only the active one's: exp.model.adapters adds inactive ones too
-            for name in layer.scaling:
-                layer.scaling[name] = 0.0
-            for scale in getattr(layer, "lora_scale", {}).values():  # a fused layer's (exp.model.dequantized)
-                scale.fill_(0.0)
+        with torch.no_grad():
+            for w in weights:
+                w.zero_()
+        # Autocast keeps its lower-precision copy of each trainable fp32 weight for the rest of its region, whatever
+        # changes the weight in place: without a fresh cast the pass would multiply by the policy's A, and the
+        # policy's pass after it by the zeros.
+        torch.clear_autocast_cache()
         yield
     finally:
-        for layer, scaling in zip(layers, saved, strict=True):
-            layer.scaling.clear()
-            layer.scaling.update(scaling)
-            for name, scale in getattr(layer, "lora_scale", {}).items():
-                scale.fill_(float(scaling[name]))
+        with torch.no_grad():
+            for w, value in zip(weights, saved, strict=True):
+                w.copy_(value)
+        torch.clear_autocast_cache()
+
+
+def _lora_a_weights(layer: nn.Module) -> list[torch.Tensor]:
+    """The first factor of each of the layer's adapters: A of a Linear's, the embedding A of an Embedding's."""
+    return [a.weight for a in layer.lora_A.values()] + list(layer.lora_embedding_A.values())

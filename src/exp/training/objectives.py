@@ -4,7 +4,7 @@ One forward pass scores every row of the batch (a pair's chosen rows, then its r
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
 its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored with its outputs detached:
 no second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
-(exp.model.reference: each LoRA layer's scaling 0, so that fresh adapters give rewards of exactly 0); when the model
+(exp.model.reference: every LoRA layer's A zeroed for the pass, so that fresh adapters give rewards of exactly 0); when the model
 holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`), that
 copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
 training: exp.training.reference) skips the reference pass. The losses themselves are
@@ -92,7 +92,7 @@ def _rows_hidden(
 @contextlib.contextmanager
 def reference_model(model: nn.Module, graph: bool = False) -> Iterator[None]:
     """The model as the reference: the frozen starting adapter alone when the model holds one, else the base (every
-    LoRA product at scaling 0, exp.model.reference). The trainable adapter is active again (and trainable) on exit.
+    LoRA A zeroed, exp.model.reference). The trainable adapter is active again (and trainable) on exit.
     `graph`: the starting adapter's copy requires gradients while it lasts (none ever flows to it), so that a pass
     with gradients on builds an autograd graph as the policy's does (`_reference_grad`)."""
     if REFERENCE_ADAPTER not in model.peft_config:
