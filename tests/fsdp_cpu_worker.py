@@ -2,7 +2,8 @@
 
 Lightning and torch refuse FSDP without a GPU; two patches lift that (and nothing else), so exp's FSDP code (its
 strategy, adapter gathering, checkpoints, resume) runs here exactly as on GPUs, on the real 4-bit CPU path.
-Usage (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): python fsdp_cpu_worker.py <run dir> <ddp|fsdp> [ckpt]
+Usage (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
+    python fsdp_cpu_worker.py <run dir> <ddp|fsdp> [ckpt] [-- override ...]
 """
 
 import json
@@ -46,13 +47,18 @@ OVERRIDES = [
 ]
 
 if __name__ == "__main__":
-    out, strategy = Path(sys.argv[1]), sys.argv[2]
-    cfg = compose_config(OVERRIDES)
+    args, extra = (
+        (sys.argv[1 : sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1 :])
+        if "--" in sys.argv
+        else (sys.argv[1:], [])
+    )
+    out, strategy = Path(args[0]), args[1]
+    cfg = compose_config([*OVERRIDES, *extra])
     cfg.hardware.strategy = Strategy(strategy)  # set after the config checks, which refuse FSDP on the CPU
     cfg.hardware.precision = "32-true"
     out.mkdir(parents=True, exist_ok=True)
-    if len(sys.argv) > 3:  # what exp.train's resume step would record
-        ids = read_checkpoint(Path(sys.argv[3]))["exp"]["tracking_ids"]
-        record = {"checkpoint": sys.argv[3], "run": "", "step": 3, "tracking_ids": ids}
+    if len(args) > 2:  # what exp.train's resume step would record
+        ids = read_checkpoint(Path(args[2]))["exp"]["tracking_ids"]
+        record = {"checkpoint": args[2], "run": "", "step": 3, "tracking_ids": ids}
         (out / "resume.json").write_text(json.dumps(record))
     end_rank(lambda: train(cfg, out, manage_run_dir=False))  # as exp's own workers end (see end_rank)
