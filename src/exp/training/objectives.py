@@ -4,9 +4,9 @@ One forward pass scores every row of the batch (a pair's chosen rows, then its r
 then the mismatched prompt-completion rows its reference point comes from): each row's summed log-probability of
 its completion tokens. The reference model of DPO and KTO is the same 4-bit base, scored with its outputs detached:
 no second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
-(exp.model.reference: every LoRA layer's A zeroed for the pass, so that fresh adapters give rewards of exactly 0); when the model
-holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER, `objective.reference=start`), that
-copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
+(exp.model.reference: every LoRA layer's A zeroed for the pass, so that fresh adapters give rewards of exactly 0);
+when the model holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER,
+`objective.reference=start`), that copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
 training: exp.training.reference) skips the reference pass. The losses themselves are
 exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
 
