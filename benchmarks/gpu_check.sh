@@ -73,10 +73,11 @@
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
 #   dpostart     DPO's first two steps on the Gemma-2B shape and dpo7b's pairs, exp with compiled and with eager
 #                layers: both first losses must be exactly ln 2 (the reference runs the policy's compiled graph)
-#   dpo7bfloor   dpo7b's pairs, 12 steps: the hand-written loop, a second loop of the same math and other numerics
-#                (`baseline prepare=false`: bf16 norms and embedding as exp's), then exp: how far per-step DPO losses
-#                drift from rounding alone on the random-weight model, the floor for exp's. PREF_FLOOR_ALL=1 adds
-#                a compiled loop (`baseline compile=true`) and exp with eager layers (about 4 minutes more)
+#   dpo7bfloor   dpo7b's pairs, $PREF_FLOOR_STEPS (12) steps: the hand-written loop, a second loop of the same math
+#                and other numerics (`baseline prepare=false`: bf16 norms and embedding as exp's), then exp: how far
+#                per-step DPO losses drift from rounding alone on the random-weight model, the floor for exp's.
+#                PREF_FLOOR_ALL=1 adds a compiled loop (`baseline compile=true`) and exp with eager layers (about 4
+#                minutes more)
 #   preftests    python -m pytest -m gpu tests/test_gpu_objectives.py tests/test_reference_pass.py: liger's chunked
 #                preference losses against exp's own on the GPU (bf16), a DPO run killed then resumed, fresh adapters
 #                at exactly ln 2 through the compiled, kept, fused layers
@@ -332,7 +333,8 @@ sys.exit(any(v is None or abs(v - math.log(2)) > 1e-8 for v in first.values()))
         steps=2 warmup=1 variant=exp "variant=exp hardware.compile=false" ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
-        lr=$PREF_LR steps=12 warmup=3 memory_budget=baseline variant=baseline "variant=baseline prepare=false" \
+        lr=$PREF_LR steps=${PREF_FLOOR_STEPS:-12} warmup=3 memory_budget=baseline variant=baseline \
+        "variant=baseline prepare=false" \
         variant=exp ${PREF_FLOOR_ALL:+"variant=baseline compile=true" "variant=exp hardware.compile=false"} ;;
     preftests)
       stage preftests 560 bash -c "set -o pipefail; python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
