@@ -163,6 +163,9 @@ def test_precomputed_reference_gives_the_losses_of_the_per_step_pass(start_adapt
 
 
 def test_the_reference_copy_is_frozen_and_the_trained_adapter_stays_active(start_adapter):
+    """Where the trainable adapter computes the copy's model with its values (here in eval mode: no dropout), the pass
+    copies them in and back, the trainable adapter active throughout. Where it would drop out (training mode,
+    lora.dropout 0.05 here), the copy is made the active adapter for the pass instead."""
     from exp.model.build import REFERENCE_ADAPTER
     from exp.training.objectives import reference_model
 
@@ -171,6 +174,20 @@ def test_the_reference_copy_is_frozen_and_the_trained_adapter_stays_active(start
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".default." in n for n in trainable)
     assert any(f".{REFERENCE_ADAPTER}." in n for n, _ in model.named_parameters())
+    with torch.no_grad():  # a trained policy: other values than the copy's
+        for n, p in model.named_parameters():
+            if n in trainable:
+                p.add_(0.01)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in trainable}
+    with reference_model(model):
+        assert model.active_adapter == "default"
+        params = dict(model.named_parameters())
+        copies = {n: p for n, p in params.items() if f".{REFERENCE_ADAPTER}." in n}
+        assert copies and all(
+            torch.equal(params[n.replace(REFERENCE_ADAPTER, "default")], p) for n, p in copies.items()
+        )
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if n in trainable)
+    model.train()
     with reference_model(model):
         assert model.active_adapter == REFERENCE_ADAPTER
         assert not any(p.requires_grad for p in model.parameters())
@@ -182,6 +199,7 @@ def test_the_reference_copy_is_frozen_and_the_trained_adapter_stays_active(start
         needing = {n for n, p in model.named_parameters() if p.requires_grad}
         assert needing and all(f".{REFERENCE_ADAPTER}." in n for n in needing)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if n in trainable)
 
 
 def test_an_adapter_of_another_shape_stops_the_build_with_the_key(start_adapter, tmp_path):

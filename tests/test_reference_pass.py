@@ -18,8 +18,8 @@ from test_gpu_objectives import _batch
 
 from exp.core.config import LossImpl
 from exp.model import dequantized
-from exp.model.build import build_model, decoder_layers
-from exp.model.reference import reference_pass, zeroed_a_problem
+from exp.model.build import REFERENCE_ADAPTER, build_model, decoder_layers
+from exp.model.reference import reference_pass, start_copy_problem, zeroed_a_problem
 from exp.training import objectives
 from exp.training.objectives import preference_loss, reference_logps, row_logps
 
@@ -210,6 +210,84 @@ def test_under_fsdp_the_reference_of_compiled_layers_keeps_no_grad(tmp_path):
         assert not objectives._reference_grad(sharded)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def start_adapter(tmp_path_factory):
+    """A saved adapter on every projection of the tiny model, with B off 0 (a policy other than the base)."""
+    model = build_model(compose_typed(["lora=all_linear"]), "cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    out = tmp_path_factory.mktemp("start") / "adapter"
+    model.save_pretrained(out)
+    return out
+
+
+def _start_twin(start_adapter, *overrides):
+    cfg = compose_typed([*TWIN, f"model.adapter={start_adapter}", "hardware.gradient_checkpointing=false", *overrides])
+    assert cfg.reference == "start"
+    return build_model(cfg, "cpu")
+
+
+def test_a_compiled_decoder_layer_runs_the_policys_graph_for_the_starting_adapters_reference(start_adapter):
+    """`objective.reference=start`: the trainable adapter holds the starting adapter's values for the pass, so a
+    compiled layer runs one graph for both passes (switching the active adapter compiled three: the reference's and
+    the policy's again after it, whose trainable flags had changed). After training moved the policy, the pass still
+    computes the starting adapter's model, and every trainable value comes back."""
+    model = _start_twin(start_adapter)
+    layer = decoder_layers(model)[0]
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer.compile(backend=counting)
+    x = torch.randn(1, 5, model.config.hidden_size)
+    inputs = dict(position_embeddings=model.base_model.model.model.rotary_emb(x, torch.arange(5)[None]),
+                  attention_mask=None)  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        start = layer(x, **inputs)  # the policy at step 0 is the starting adapter
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:  # a training step's worth of change to the trainable adapter
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        torch.clear_autocast_cache()  # (an optimiser steps outside the autocast region, whose casts it keeps)
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        policy = layer(x, **inputs)
+        with objectives.reference_model(model, graph=True):
+            reference = layer(x, **inputs)
+        again = layer(x, **inputs)
+    assert len(graphs) == 1
+    assert torch.equal(reference, start) and not torch.equal(policy, start) and torch.equal(again, policy)
+    assert trained and all(torch.equal(p, trained[n]) for n, p in model.named_parameters() if p.requires_grad)
+    assert model.active_adapter == "default"
+
+
+def test_a_trainable_adapter_that_drops_out_switches_to_the_starting_adapter(start_adapter):
+    """With lora.dropout > 0 the trainable adapter would drop out in a training-mode pass, and the reference has no
+    dropout: there the starting adapter is made the active one; in eval mode both passes compute the same numbers."""
+    model = _start_twin(start_adapter, "lora.dropout=0.5")
+    assert "dropout" in start_copy_problem(model.train(), "default", REFERENCE_ADAPTER)
+    batch = _batch(compose_typed(TWIN), 4)
+    switched = []
+    with objectives.reference_model(model):
+        switched.append(model.active_adapter)
+    assert switched == [REFERENCE_ADAPTER] and model.active_adapter == "default"
+    model.eval()
+    assert start_copy_problem(model, "default", REFERENCE_ADAPTER) is None
+    with torch.no_grad():
+        with objectives.reference_model(model):
+            copied = row_logps(model, batch, LossImpl.hf)[0]
+        model.set_adapter(REFERENCE_ADAPTER)
+        alone = row_logps(model, batch, LossImpl.hf)[0]
+        model.set_adapter("default")
+    torch.testing.assert_close(copied, alone, rtol=0, atol=1e-6)
 
 
 def test_dora_takes_pefts_switch():

@@ -59,21 +59,72 @@ def reference_pass(model: nn.Module) -> Iterator[None]:
         return
     # Every adapter's, not only the active one's: exp.model.adapters adds inactive ones too.
     weights = [w for layer in _lora_layers(model) for w in _lora_a_weights(layer)]
-    saved = [w.detach().clone() for w in weights]
+    with _replaced([(w, None) for w in weights]):
+        yield
+
+
+def start_copy_problem(model: nn.Module, active: str, start: str) -> str | None:
+    """Why adapter `active` holding the values of adapter `start` would not compute `start`'s model (None: it
+    does): the two must have the same layers, shapes and scalings, and `active`'s dropout must be off (`start`,
+    the reference, has none)."""
+    if (problem := zeroed_a_problem(model)) is not None:
+        return problem
+    for layer in _lora_layers(model):
+        for factors in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            table = getattr(layer, factors)
+            if (start in table) != (active in table):
+                return f"the adapters '{active}' and '{start}' adapt different layers"
+            if start in table and _tensor(table[start]).shape != _tensor(table[active]).shape:
+                return f"the adapters '{active}' and '{start}' differ in shape"
+        if start in layer.scaling and layer.scaling[start] != layer.scaling.get(active):
+            return f"the adapters '{active}' and '{start}' differ in scaling"
+        dropout = layer.lora_dropout[active] if active in layer.lora_dropout else None
+        if layer.training and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            return f"adapter '{active}' drops out in training (lora.dropout={dropout.p})"
+    return None
+
+
+@contextlib.contextmanager
+def start_reference_pass(model: nn.Module, active: str, start: str) -> Iterator[None]:
+    """Within: adapter `active` holds the values of adapter `start` (the frozen starting adapter of
+    `objective.reference=start`), so the PEFT `model` computes `start`'s model through the policy's own modules,
+    the active adapter unchanged; `start_copy_problem` says where that does not hold. A compiled layer runs the
+    policy's graph (switching the active adapter would change what its graph holds as constants: a graph for the
+    reference and another for the policy after it)."""
+    pairs = []
+    for layer in _lora_layers(model):
+        for factors in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            table = getattr(layer, factors)
+            if start in table:
+                pairs.append((_tensor(table[active]), _tensor(table[start])))
+    with _replaced(pairs):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+    """Within: each tensor holds its paired value (None: zeros), in place; every tensor's own value is copied
+    back on exit, whatever ends the block."""
+    saved = [w.detach().clone() for w, _ in pairs]
     try:
         with torch.no_grad():
-            for w in weights:
-                w.zero_()
+            for w, value in pairs:
+                w.zero_() if value is None else w.copy_(value)
         # Autocast keeps its lower-precision copy of each trainable fp32 weight for the rest of its region, whatever
-        # changes the weight in place: without a fresh cast the pass would multiply by the policy's A, and the
-        # policy's pass after it by the zeros.
+        # changes the weight in place: without a fresh cast the pass would multiply by the policy's values, and the
+        # policy's pass after it by the replaced ones.
         torch.clear_autocast_cache()
         yield
     finally:
         with torch.no_grad():
-            for w, value in zip(weights, saved, strict=True):
+            for (w, _), value in zip(pairs, saved, strict=True):
                 w.copy_(value)
         torch.clear_autocast_cache()
+
+
+def _tensor(entry: nn.Module | torch.Tensor) -> torch.Tensor:
+    """A LoRA factor's tensor: the weight of a Linear's A or B, an Embedding's A or B itself."""
+    return entry.weight if isinstance(entry, nn.Module) else entry
 
 
 def _lora_a_weights(layer: nn.Module) -> list[torch.Tensor]:

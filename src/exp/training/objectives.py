@@ -6,9 +6,10 @@ its completion tokens. The reference model of DPO and KTO is the same 4-bit base
 no second model in memory. It is the policy's own numeric path with LoRA's contribution switched off
 (exp.model.reference: every LoRA layer's A zeroed for the pass, so that fresh adapters give rewards of exactly 0);
 when the model holds the frozen copy of a starting adapter (exp.model.build.REFERENCE_ADAPTER,
-`objective.reference=start`), that copy is switched on instead. A batch that carries its reference log-probabilities (`ref_logps`, computed once before
-training: exp.training.reference) skips the reference pass. The losses themselves are
-exp.model.preference's, which equal TRL's on the same log-probabilities (tests/test_preference_loss.py).
+`objective.reference=start`), the trainable adapter holds that copy's values for the pass instead. A batch that
+carries its reference log-probabilities (`ref_logps`, computed once before training: exp.training.reference) skips
+the reference pass. The losses themselves are exp.model.preference's, which equal TRL's on the same
+log-probabilities (tests/test_preference_loss.py).
 
 Under `hardware.loss_impl=liger` (exp.model.loss_plan chose it: CUDA, and an objective liger computes as exp does)
 the policy's and the reference's hidden states go to liger-kernel's chunked preference losses instead
@@ -43,7 +44,7 @@ from exp.model.preference import (
     sequence_logps,
     simpo_loss,
 )
-from exp.model.reference import reference_pass
+from exp.model.reference import reference_pass, start_copy_problem, start_reference_pass
 
 # What the decoder reads of a preference batch: padded rows (attention mask), or flat rows (position ids and
 # sequence boundaries, exp.data.preference.collate_flat_preference).
@@ -92,7 +93,10 @@ def _rows_hidden(
 @contextlib.contextmanager
 def reference_model(model: nn.Module, graph: bool = False) -> Iterator[None]:
     """The model as the reference: the frozen starting adapter alone when the model holds one, else the base (every
-    LoRA A zeroed, exp.model.reference). The trainable adapter is active again (and trainable) on exit.
+    LoRA A zeroed, exp.model.reference). The starting adapter's values are copied into the trainable adapter for the
+    pass (exp.model.reference.start_reference_pass: a compiled layer runs the policy's graph); where that would not
+    compute the starting adapter's model (the trainable adapter drops out, or the model is sharded), the starting
+    adapter is made the active one instead. The trainable adapter is active again (and trainable) on exit.
     `graph`: the starting adapter's copy requires gradients while it lasts (none ever flows to it), so that a pass
     with gradients on builds an autograd graph as the policy's does (`_reference_grad`)."""
     if REFERENCE_ADAPTER not in model.peft_config:
@@ -100,6 +104,11 @@ def reference_model(model: nn.Module, graph: bool = False) -> Iterator[None]:
             yield
         return
     active = model.active_adapter
+    # FSDP keeps each adapter's tensors as its own shards; the copy is left to the plain models it is tested on.
+    if not _sharded(model) and start_copy_problem(model, active, REFERENCE_ADAPTER) is None:
+        with start_reference_pass(model, active, REFERENCE_ADAPTER):
+            yield
+        return
     model.set_adapter(REFERENCE_ADAPTER, inference_mode=not graph)  # freezes every other adapter while it lasts
     try:
         yield
