@@ -236,9 +236,12 @@ def test_a_compiled_decoder_layer_runs_the_policys_graph_for_the_starting_adapte
     """`objective.reference=start`: the trainable adapter holds the starting adapter's values for the pass, so a
     compiled layer runs one graph for both passes (switching the active adapter compiled three: the reference's and
     the policy's again after it, whose trainable flags had changed). After training moved the policy, the pass still
-    computes the starting adapter's model, and every trainable value comes back."""
+    computes the starting adapter's model, and every trainable value comes back. The layers are kept dequantized and
+    fused (`[W | B]` with the active adapter's B copied in at each call)."""
     model = _start_twin(start_adapter)
     layer = decoder_layers(model)[0]
+    # The frozen copy has the trainable adapter's rank: LoRA's B joins the kept weight as with one adapter.
+    assert type(layer.self_attn.q_proj) is dequantized.FusedLoraLinear4bit
     graphs = []
 
     def counting(gm, example_inputs):

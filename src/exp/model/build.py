@@ -300,7 +300,9 @@ def build_model(
         from exp.model.dequantized import keep_dequantized
 
         kept = keep_dequantized(
-            decoder_layers(model)[: cfg.hardware.dequantized_layers], fuse_lora=cfg.hardware.fuse_lora
+            decoder_layers(model)[: cfg.hardware.dequantized_layers],
+            fuse_lora=cfg.hardware.fuse_lora,
+            reference=REFERENCE_ADAPTER,
         )
         log.info("kept dequantized weights: %d decoder layers, %.2f GiB", cfg.hardware.dequantized_layers, kept / 2**30)
     if strategy_traits(cfg.hardware.strategy).sharded:

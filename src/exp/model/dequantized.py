@@ -102,9 +102,13 @@ class FusedLoraLinear4bit(LoraLinear4bit):
         return y.to(x.dtype)
 
 
-def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
+def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False, reference: str | None = None) -> int:
     """Give every 4-bit Linear of `layers` a dequantized copy of its weight in its compute dtype, on the weight's
     device, and make it multiply by that copy. Returns the number of bytes kept.
+
+    `fuse_lora` joins LoRA's B to the copy where a layer has one adapter, or one beside the frozen copy named
+    `reference` (objective.reference=start) of the same rank: only one of them is active in a pass, and the fused
+    product copies the active one's B in at every call.
 
     The copy is a plain attribute, not a buffer: it is not part of the state dict (checkpoints and adapters are
     unchanged), and DDP, which broadcasts buffers at every forward, does not see it.
@@ -122,13 +126,15 @@ def keep_dequantized(layers: list[nn.Module], fuse_lora: bool = False) -> int:
             r = 0
             # DoRA (a LoRA variant) rescales the whole output by its magnitude / column norm: no [W | B] product.
             fusable = lora is not None and not lora.lora_variant and module.bias is None
-            if fuse_lora and fusable and module.out_features >= module.in_features:
-                r = next(iter(lora.lora_A.values())).out_features if len(lora.lora_A) == 1 else 0  # the rank
+            trained = [name for name in lora.lora_A if name != reference] if lora is not None else []
+            ranks = {a.out_features for a in lora.lora_A.values()} if lora is not None else set()
+            if fuse_lora and fusable and module.out_features >= module.in_features and len(trained) == len(ranks) == 1:
+                r = ranks.pop()
             w = torch.empty(module.out_features, module.in_features + r, dtype=dtype, device=weight.device)
             with torch.no_grad():
                 w[:, : module.in_features] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
                 if r:  # B's current values: the reference pass multiplies them by 0 and must not meet NaN there
-                    w[:, module.in_features :] = next(iter(lora.lora_B.values())).weight
+                    w[:, module.in_features :] = lora.lora_B[trained[0]].weight
             module.__class__ = DequantizedLinear4bit
             module.dequantized = w[:, : module.in_features]
             if r:
