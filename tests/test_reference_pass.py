@@ -342,3 +342,21 @@ def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
         loss, sums = _step(model, batch, cfg, impl, "cuda")
         assert loss.item() == LN2
         assert sums["rewards_chosen"].item() == 0.0 and sums["rewards_rejected"].item() == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.value)
+def test_a_starting_adapter_starts_dpo_at_ln2_on_the_gpu_compiled(start_adapter, impl):
+    """`objective.reference=start` on the GPU, every layer compiled, kept and fused: the policy at step 0 is the
+    starting adapter, so its first loss is exactly ln 2 only if the reference pass computes the policy's numbers."""
+    cfg = compose_typed([*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4",
+                         "hardware.fuse_lora=true", "lora.dropout=0", "hardware.compile=true",
+                         f"model.adapter={start_adapter}"])  # fmt: skip
+    assert cfg.reference == "start"
+    model = build_model(cfg, "cuda")
+    batch = _batch(cfg, pairs=8)
+    for _ in range(2):  # the first call compiles
+        model.zero_grad(set_to_none=True)
+        loss, sums = _step(model, batch, cfg, impl, "cuda")
+        assert loss.item() == LN2
+        assert sums["rewards_chosen"].item() == 0.0 and sums["rewards_rejected"].item() == 0.0
