@@ -142,6 +142,17 @@ def compose_typed(overrides: list[str]):
         return to_typed(compose("train", overrides=overrides), ROOT)
 
 
+def dynamic_from_the_first_shape():
+    """Within: Dynamo compiles every size dynamic from a frame's first call, one graph where a GPU run compiles a
+    static graph at the first length and a dynamic one from the second (exp.model.compile_cache). On the CPU each
+    Inductor graph costs tens of seconds of C++ compilation (a 4-step run of the GPU twin: 6 graphs, 110 s; 3, 81 s),
+    and what the tests that use it check (no graph break, the compiled layers' results) is the dynamic graph's, the
+    one a GPU run trains with from its second length on."""
+    import torch
+
+    return torch._dynamo.config.patch(assume_static_by_default=False)
+
+
 def encode(tokenizer, row: dict[str, str], max_seq_len: int = 128, train_on_prompt: bool = False):
     """An Alpaca row {instruction, input, output} encoded as `build_splits` encodes each row of its source: rendered
     for `data.format` (`render_row`), then tokenised with its loss mask (`encode_rendered`). (Encoded, truncated);

@@ -22,6 +22,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from conftest import dynamic_from_the_first_shape
 
 from exp.model.build import LAYER_GRAPHS
 from exp.training.precision import FusedOptimizerMixedPrecision, build_precision_plugin
@@ -176,7 +177,8 @@ def test_gpu_defaults_train_on_the_cpu(tmp_path):
     from exp.train import run
 
     breaks = sum(counters["graph_break"].values())  # Dynamo's counters are per process: earlier tests' count too
-    result = run([*TWIN], output_dir=tmp_path / "run")
+    with dynamic_from_the_first_shape():
+        result = run([*TWIN], output_dir=tmp_path / "run")
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
     module, run_dir = result.module, result.output_dir
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"

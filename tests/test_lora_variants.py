@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_typed
+from conftest import compose_typed, dynamic_from_the_first_shape
 from safetensors.torch import load_file
 from test_training import fixed_batches, plain_nf4_base
 
@@ -189,7 +189,8 @@ def test_variants_train_under_the_gpu_configuration_on_the_cpu(variant, tmp_path
     from exp.model.build import decoder_layers
     from exp.model.dequantized import DequantizedLinear4bit, FusedLoraLinear4bit
 
-    result = run([*TWIN, *variant], output_dir=tmp_path / "run")
+    with dynamic_from_the_first_shape():
+        result = run([*TWIN, *variant], output_dir=tmp_path / "run")
     assert torch.isfinite(torch.tensor(result.final_val["val/loss"]))
     q = decoder_layers(result.module.model)[0].self_attn.q_proj
     assert isinstance(q.base_layer, DequantizedLinear4bit)
