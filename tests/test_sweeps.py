@@ -67,6 +67,22 @@ def sweep_and_relaunch(cwd: Path):
     return cwd / "study", first, second, stamps, third
 
 
+def path_sweep_and_relaunch(cwd: Path):
+    """A sweep whose overrides hold a relative data path (`data.path=data/a.json`): Hydra's job names nest
+    (`0_data.path=data/a.json,...` is `0_data.path=data` / `a.json,...`). Two jobs, the second made to fail; its
+    report; the same sweep again."""
+    (cwd / "data").mkdir()
+    rows = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": str(2 * i + 1)} for i in range(60)]
+    (cwd / "data" / "a.json").write_text(json.dumps(rows))
+    args = ["exp.train", "-m", "data=alpaca", "data.path=data/a.json", "lora.target_modules=[q_proj],[nope_proj]",
+            *FAST[:-3], "trainer.sample_count=0", "logger=csv", "hydra.sweep.dir=study",
+            "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(a.split("=")[0] for a in FAST) + "]"]  # fmt: skip
+    first = exp(args, cwd)
+    report = exp(["exp.report", "study"], cwd)
+    second = exp(args, cwd)
+    return cwd / "study", first, report, second
+
+
 def isolated_jobs(cwd: Path) -> tuple[Path, subprocess.CompletedProcess]:
     """Two identical jobs in one sweep, W&B, TensorBoard and MLflow on."""
     trackers = "logger=[wandb,tensorboard,mlflow]"
@@ -140,6 +156,7 @@ def launches(request, tmp_path_factory):
         "grid": grid_file_sweep,
         "submitit": submitit_sweep,
         "gpus": gpus_sweep_and_relaunches,
+        "paths": path_sweep_and_relaunch,
     }
     # The directories are made here, in pytest's thread: the steps' threads only run commands in them.
     steps = {name: partial(f, tmp_path_factory.mktemp(name)) for name, f in functions.items()}
@@ -161,6 +178,7 @@ def launches(request, tmp_path_factory):
         "grid": ["test_grid_sweep_file_composes_and_runs"],
         "submitit": ["test_submitit_local_launcher_runs_jobs"],
         "gpus": ["test_gpu_launcher_gives_each_parallel_job_its_own_device"],
+        "paths": ["test_jobs_whose_overrides_hold_a_path_are_found_counted_reported_and_skipped"],
     }
     with Together(request, steps, uses) as together:
         yield together
@@ -180,6 +198,30 @@ def test_failed_job_is_recorded_and_counted_and_the_sweep_goes_on(sweep):
     assert [status[k]["status"] for k in ("0", "1", "2")] == ["completed", "completed", "failed"]
     assert "nope_proj" in status["2"]["error"] and "Allowed" in status["2"]["error"]
     assert "1 failed" in first.stdout + first.stderr
+
+
+@pytest.mark.slow
+def test_jobs_whose_overrides_hold_a_path_are_found_counted_reported_and_skipped(launches):
+    """Each job's directory is nested under its number's: the sweep's count, its exit status, exp.report and the
+    re-launch's skip find every job there, named by its path under the sweep directory."""
+    study, first, report, second = launches.get("paths")
+    assert first.returncode == 1, first.stderr[-3000:]  # one job failed
+    assert "2 job(s), 1 completed, 1 failed" in first.stdout + first.stderr
+    groups = job_groups(study)
+    assert sorted(groups) == [
+        "0_data.path=data/a.json,data=alpaca,lora.target_modules=[q_proj]",
+        "1_data.path=data/a.json,data=alpaca,lora.target_modules=[nope_proj]",
+    ]
+    assert [json.loads((d[0] / "status.json").read_text())["status"] for _, d in sorted(groups.items())] == [
+        "completed",
+        "failed",
+    ]
+    assert report.returncode == 0, report.stderr[-3000:]
+    rows = [line.split()[:2] for line in report.stdout.splitlines()[1:3]]
+    assert rows == [["0", "completed"], ["1", "failed"]]
+    assert (second.stdout + second.stderr).count("already completed with this config, skipped") == 1
+    assert second.returncode == 1
+    assert len(job_groups(study)["1_data.path=data/a.json,data=alpaca,lora.target_modules=[nope_proj]"]) == 2
 
 
 @pytest.mark.slow

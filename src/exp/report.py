@@ -32,7 +32,7 @@ from pathlib import Path
 
 from exp.core.cli import Key, Parsed, Tool, run_tool
 from exp.core.config import ConfigError
-from exp.run.dirs import RunLayout, read_status, run_state
+from exp.run.dirs import RunLayout, read_status, run_state, runs_under
 from exp.run.overrides import SEED_KEYS
 from exp.study.journal import last_launch
 from exp.study.stats import TEST_NAME, ConfigStats, config_groups, rank, swept_keys
@@ -98,13 +98,15 @@ class JobRow:
     preference: dict[str, float] = field(default_factory=dict)  # final PREFERENCE_METRICS (preference runs)
 
 
-def find_runs(paths: list[Path]) -> list[Path]:
+def find_runs(paths: list[Path]) -> list[tuple[Path, str]]:
+    """Each run directory `paths` name or hold (a sweep's jobs, nested ones too: exp.run.dirs.runs_under), with its
+    name in the report: its path under the directory given."""
     runs = []
     for p in paths:
         if RunLayout(p).is_run():
-            runs.append(p)
+            runs.append((p, p.name))
         elif p.is_dir():
-            runs += sorted(c for c in p.iterdir() if c.is_dir() and RunLayout(c).is_run())
+            runs += [(r, r.relative_to(p).as_posix()) for r in runs_under(p)]
     return runs
 
 
@@ -118,10 +120,11 @@ def _overrides(run: Path) -> dict[str, str]:
     return {k.lstrip("+~"): v for k, v in (p for p in pairs if len(p) == 2) if not k.startswith("hydra.")}
 
 
-def read_run(run: Path, metric: str) -> JobRow:
-    """What a job's files say. A file that cannot be read (cut short, overwritten, not text) is named in `damaged`
-    and the row keeps what the others hold: one bad job never hides the rest of a study."""
-    row = JobRow(run.name, run, run_state(run))
+def read_run(run: Path, metric: str, name: str | None = None) -> JobRow:
+    """What a job's files say, the row named `name` (default: the directory's name). A file that cannot be read (cut
+    short, overwritten, not text) is named in `damaged` and the row keeps what the others hold: one bad job never
+    hides the rest of a study."""
+    row = JobRow(name or run.name, run, run_state(run))
     layout = RunLayout(run)
 
     def part(path: Path, read: Callable[[], object]) -> None:
@@ -486,7 +489,7 @@ def _report(args: Parsed) -> int:
             f"{len(paths)} paths and no out=: the report of one sweep or run goes into its directory, and several "
             "have no directory of their own. Fix: say where it goes, e.g. out=outputs/comparison."
         )
-    rows = sort_rows([read_run(r, metric) for r in runs], metric)
+    rows = sort_rows([read_run(r, metric, name) for r, name in runs], metric)
     # Never the current directory: a report lands beside what it reports on.
     out = Path(args.values["out"]) if args.values["out"] else paths[0]
     out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,31 @@ class RunLayout:
     def is_run(self) -> bool:
         """Holds a run's record (its status, or Hydra's record of a job that never got further)."""
         return self.status.exists() or self.hydra.exists()
+
+
+# A sweep job's directory starts with its job number (`sweep_job_dir_name`).
+_JOB_DIR = re.compile(r"\d+(_|$)")
+
+
+def runs_under(root: Path) -> list[Path]:
+    """The run directories among `root`'s subdirectories, in path order (`job_dirs_under`)."""
+    return job_dirs_under(root, lambda p: RunLayout(p).is_run())
+
+
+def job_dirs_under(root: Path, holds: Callable[[Path], bool]) -> list[Path]:
+    """The subdirectories of `root` for which `holds` is true, in path order. A sweep job whose overrides hold a path
+    (`data.path=data/a.json`) nests as Hydra names it, `0_data.path=data/a.json/...`: below a directory named like a
+    job (`<number>_...`) the search goes on down to the one that holds; what is below a directory that holds is
+    never searched, nor other directories (a foreign tree stays unread)."""
+    found: list[Path] = []
+    pending = [(p, False) for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    while pending:
+        path, inside_job = pending.pop()
+        if holds(path):
+            found.append(path)
+        elif inside_job or _JOB_DIR.match(path.name):
+            pending += [(p, True) for p in path.iterdir() if p.is_dir()]
+    return sorted(found)
 
 
 def foreign_entries(path: Path, own: tuple[str, ...] = BEFORE_STATUS) -> list[str]:

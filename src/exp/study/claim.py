@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from exp.core.config import ConfigError
 from exp.run.compose import config_dict, to_typed
-from exp.run.dirs import JOB_RECORD, LOCK_FILE, lock_holder, lock_run, make_dir, release_run, write_json
+from exp.run.dirs import JOB_RECORD, LOCK_FILE, job_dirs_under, lock_holder, lock_run, make_dir, release_run, write_json
 from exp.run.overrides import config_loader
 from exp.study.journal import PLACEMENTS
 from exp.study.records import fingerprinted, free_sweep_dir, job_dirs, job_groups, shown_value
@@ -88,7 +88,7 @@ def is_study_dir(path: Path) -> bool:
     return (
         (path / STUDY_RECORD).exists()
         or (path / "multirun.yaml").exists()
-        or any((d / JOB_RECORD).exists() for d in path.iterdir() if d.is_dir())
+        or bool(job_dirs_under(path, lambda d: (d / JOB_RECORD).exists()))
     )
 
 

@@ -40,7 +40,7 @@ from exp.study.cost import (
 from exp.study.cost import memory_demand as job_memory
 from exp.study.grouping import group_jobs, shared_config, split_group, with_micro_batch
 from exp.study.placement import JobDemand, Simulation, simulate
-from exp.study.records import SweepConflict, earlier_result
+from exp.study.records import SweepConflict, earlier_result, job_name
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 GPU_LAUNCHER = "hydra_plugins.exp_gpu_launcher.launcher.GpuPoolLauncher"
@@ -403,9 +403,9 @@ def planned_job(num: int, overrides: list[str], job_cfg: Any, job_dir: Path, lau
     try:
         cfg = to_typed(task, launch_dir)
     except ConfigError as e:
-        return PlannedJob(num, job_dir.name, overrides, error=str(e))
+        return PlannedJob(num, job_name(job_dir, sweep_dir), overrides, error=str(e))
     reuse = earlier_result(job_dir, config_dict(cfg), sweep_dir)
-    return PlannedJob(num, job_dir.name, overrides, cfg, reuse=str(reuse) if reuse else None)
+    return PlannedJob(num, job_name(job_dir, sweep_dir), overrides, cfg, reuse=str(reuse) if reuse else None)
 
 
 def sweep_overrides(master: Any, loader: Any) -> list[list[str]]:

@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from exp.core.config import ConfigError
-from exp.run.dirs import JOB_RECORD, RunLayout, read_status, write_json
+from exp.run.dirs import JOB_RECORD, RunLayout, read_status, runs_under, write_json
 
 log = logging.getLogger("exp.sweep")
 
@@ -166,19 +166,29 @@ def ran_out_of_memory(run_dir: Path) -> bool:
     return bool(re.search(r"out of memory|OutOfMemory|\[memory\]", error, re.IGNORECASE))
 
 
+def job_name(job_dir: Path, sweep_dir: Path) -> str:
+    """A sweep job's (or attempt's) name: its directory's path under the sweep directory. A job whose overrides hold a
+    path nests (`0_data.path=data/a.json`), and the last part alone would name jobs of other paths alike."""
+    try:
+        return job_dir.relative_to(sweep_dir).as_posix()
+    except ValueError:  # not under it (a directory given elsewhere)
+        return job_dir.name
+
+
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Every run directory of a sweep (a job's retries included), in name order."""
-    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and RunLayout(p).is_run())
+    """Every run directory of a sweep (a job's retries included, nested ones too: exp.run.dirs.runs_under), in path
+    order."""
+    return runs_under(sweep_dir)
 
 
 def job_groups(sweep_dir: Path) -> dict[str, list[Path]]:
-    """Run directories grouped by job: a re-launched job that failed before has its attempts in `<job>_1`, ..."""
-    dirs = job_dirs(sweep_dir)
-    names = {d.name for d in dirs}
+    """Run directories grouped by job, each job named by its path under the sweep directory: a re-launched job that
+    failed before has its attempts in `<job>_1`, ..."""
+    dirs = {job_name(d, sweep_dir): d for d in job_dirs(sweep_dir)}
     groups: dict[str, list[Path]] = {}
-    for d in dirs:
-        base = re.sub(r"_\d+$", "", d.name)
-        groups.setdefault(base if base in names else d.name, []).append(d)
+    for name, d in dirs.items():
+        base = re.sub(r"_\d+$", "", name)
+        groups.setdefault(base if base in dirs else name, []).append(d)
     return groups
 
 

@@ -40,7 +40,7 @@ from exp.study.job import SweepJob, plan_sweep_job, start_sweep_job, sweep_job_r
 from exp.study.journal import append_event
 from exp.study.placement import Packer, Placement
 from exp.study.plan import PlannedGroup, PlannedJob, Pool, build_pool, estimate_jobs, format_plan, plan_record
-from exp.study.records import final_metric, ran_out_of_memory
+from exp.study.records import final_metric, job_name, ran_out_of_memory
 from exp.training.launch import child_env, worker_command
 
 log = logging.getLogger("exp.sweep")
@@ -73,6 +73,7 @@ class GpuScheduler:
         self.memory_gib = [float(m) for m in memory_gib]
         self.pool: Pool | None = None
         self.compile_threads: int | None = None  # set per launch: see compile_threads
+        self._names: list[str] = []  # set per launch: each job's name (exp.study.records.job_name)
 
     def open(self) -> None:
         """The devices and their memory; a launch that cannot run stops here (one message, exit status 2 or 3), before
@@ -110,11 +111,11 @@ class GpuScheduler:
             with read_write(task), open_dict(task):
                 del task["hydra"]
             planned.append(plan_sweep_job(task, job_dir, sweep_dir, launch_dir))
+        # Each job's name in the plan, the packer and the journal.
+        self._names = [job_name(job.job_dir, sweep_dir) for job in planned]
         jobs = [
-            PlannedJob(
-                lj.num, job.job_dir.name, lj.overrides, job.cfg, job.error, str(job.reuse) if job.reuse else None
-            )
-            for lj, job in zip(launch_jobs, planned, strict=True)
+            PlannedJob(lj.num, name, lj.overrides, job.cfg, job.error, str(job.reuse) if job.reuse else None)
+            for lj, job, name in zip(launch_jobs, planned, self._names, strict=True)
         ]
         records = find_records([sweep_dir, launch_dir / "outputs", launch_dir / "multirun"])
         plan = estimate_jobs(jobs, self.pool, records, self.share_base)
@@ -201,16 +202,17 @@ class GpuScheduler:
             ends = list(run_dir) if group is not None else [(name, run_dir)]  # a group: (job, run dir) per job
             oom = any(d is not None and ran_out_of_memory(d) for _, d in ends)
             packer.finish(name, out_of_memory=oom)
-            for job_name, job_dir in ends:
-                memory = group.memory if group is not None else jobs[index[job_name]].memory
+            for ended_job, job_dir in ends:
+                memory = group.memory if group is not None else jobs[index[ended_job]].memory
                 append_event(
                     sweep_dir,
                     {
                         "event": "end",
                         "launch": launch_id,
                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        "job": job_name,
-                        "run_dir": job_dir.name if job_dir is not None else None,  # a re-run attempt: <job>_1, ...
+                        "job": ended_job,
+                        # a re-run attempt: <job>_1, ...
+                        "run_dir": job_name(job_dir, sweep_dir) if job_dir is not None else None,
                         "gpu": gpu,
                         "status": _status(job_dir),
                         "seconds": round(seconds, 1),
@@ -224,7 +226,7 @@ class GpuScheduler:
             if group is None and _status(run_dir) == "completed" and memory is not None:
                 self.learn_peak(sweep_dir, launch_id, packer, jobs, index, name, run_dir)
             if oom:
-                g, job_name, before, after = packer.backoffs[-1]
+                g, backed_off, before, after = packer.backoffs[-1]
                 log.warning(
                     "job %s ran out of memory on GPU %s: that GPU backs off from %.2f to %.2f GiB",
                     name,
@@ -238,7 +240,7 @@ class GpuScheduler:
                         "event": "backoff",
                         "launch": launch_id,
                         "gpu": g,
-                        "job": job_name,
+                        "job": backed_off,
                         "capacity_before_gib": _gib(before),
                         "capacity_after_gib": _gib(after),
                     },
@@ -360,7 +362,7 @@ class GpuScheduler:
                 # The group's exit status stands for a job only where the job did not complete.
                 values[i] = sweep_job_result(d, 0 if _status(d) == "completed" else rc or 1)
         finally:
-            ended.put((name, [(planned[i].job_dir.name, d) for i, d in run_dirs], time.time() - t0))
+            ended.put((name, [(self._names[i], d) for i, d in run_dirs], time.time() - t0))
 
     def _without_gpu(self, lj: LaunchJob, job: SweepJob) -> float:
         """A job that needs no GPU: reused (its value again), or failed before starting (recorded in its directory)."""
@@ -404,7 +406,7 @@ class GpuScheduler:
                 release_run(run_dir)
             values[i] = sweep_job_result(run_dir, rc)
         finally:
-            ended.put((job.job_dir.name, run_dir, time.time() - t0))
+            ended.put((self._names[i], run_dir, time.time() - t0))
 
 
 def compile_threads(jobs_at_once: int) -> int | None:
