@@ -68,13 +68,13 @@ def sweep_and_relaunch(cwd: Path):
 
 
 def path_sweep_and_relaunch(cwd: Path):
-    """A sweep whose overrides hold a relative data path (`data.path=data/a.json`): Hydra's job names nest
-    (`0_data.path=data/a.json,...` is `0_data.path=data` / `a.json,...`). Two jobs, the second made to fail; its
-    report; the same sweep again."""
-    (cwd / "data").mkdir()
+    """A sweep whose overrides hold a relative data path (`data.path=data/x/y/a.json`): Hydra's job names nest
+    (`0_data.path=data/x/y/a.json,...` is `0_data.path=data` / `x` / `y` / `a.json,...`). Two jobs, the second made
+    to fail; its report; the same sweep again."""
+    (cwd / "data" / "x" / "y").mkdir(parents=True)
     rows = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": str(2 * i + 1)} for i in range(60)]
-    (cwd / "data" / "a.json").write_text(json.dumps(rows))
-    args = ["exp.train", "-m", "data=alpaca", "data.path=data/a.json", "lora.target_modules=[q_proj],[nope_proj]",
+    (cwd / "data" / "x" / "y" / "a.json").write_text(json.dumps(rows))
+    args = ["exp.train", "-m", "data=alpaca", "data.path=data/x/y/a.json", "lora.target_modules=[q_proj],[nope_proj]",
             *FAST[:-3], "trainer.sample_count=0", "logger=csv", "hydra.sweep.dir=study",
             "hydra.job.config.override_dirname.exclude_keys=[" + ",".join(a.split("=")[0] for a in FAST) + "]"]  # fmt: skip
     first = exp(args, cwd)
@@ -209,8 +209,8 @@ def test_jobs_whose_overrides_hold_a_path_are_found_counted_reported_and_skipped
     assert "2 job(s), 1 completed, 1 failed" in first.stdout + first.stderr
     groups = job_groups(study)
     assert sorted(groups) == [
-        "0_data.path=data/a.json,data=alpaca,lora.target_modules=[q_proj]",
-        "1_data.path=data/a.json,data=alpaca,lora.target_modules=[nope_proj]",
+        "0_data.path=data/x/y/a.json,data=alpaca,lora.target_modules=[q_proj]",
+        "1_data.path=data/x/y/a.json,data=alpaca,lora.target_modules=[nope_proj]",
     ]
     assert [json.loads((d[0] / "status.json").read_text())["status"] for _, d in sorted(groups.items())] == [
         "completed",
@@ -219,9 +219,15 @@ def test_jobs_whose_overrides_hold_a_path_are_found_counted_reported_and_skipped
     assert report.returncode == 0, report.stderr[-3000:]
     rows = [line.split()[:2] for line in report.stdout.splitlines()[1:3]]
     assert rows == [["0", "completed"], ["1", "failed"]]
+    # The completed job's step time reaches the launchers' plans of later studies.
+    from exp.study.cost import find_records
+
+    assert [r.source for r in find_records([study]) if "/0_data.path=data/" in r.source] == [
+        str(groups["0_data.path=data/x/y/a.json,data=alpaca,lora.target_modules=[q_proj]"][0].resolve())
+    ]
     assert (second.stdout + second.stderr).count("already completed with this config, skipped") == 1
     assert second.returncode == 1
-    assert len(job_groups(study)["1_data.path=data/a.json,data=alpaca,lora.target_modules=[nope_proj]"]) == 2
+    assert len(job_groups(study)["1_data.path=data/x/y/a.json,data=alpaca,lora.target_modules=[nope_proj]"]) == 2
 
 
 @pytest.mark.slow

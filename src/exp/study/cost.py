@@ -34,7 +34,7 @@ from exp.core.config import Accelerator, ConfigError, TrainConfig
 from exp.hardware.memory import GiB, estimate_for_config
 from exp.hardware.preflight import Environment, Gpu, check
 from exp.run.compose import config_dict, load_run_config
-from exp.run.dirs import RunLayout, read_status
+from exp.run.dirs import RunLayout, read_status, runs_under
 from exp.study.journal import launcher_seconds
 
 # The reservation's margin over the estimate. The estimator's allocated peak was within +0.6% of the H200
@@ -250,17 +250,19 @@ def bench_records(folder: Path = BENCH_RESULTS) -> list[StepRecord]:
 
 
 def find_records(folders: list[Path]) -> list[StepRecord]:
-    """Step times of the completed runs in `folders` (a run, a sweep, outputs/ or multirun/: three levels deep),
-    and exp.bench's results."""
+    """Step times of the completed runs in `folders` (a run, a sweep, outputs/ or multirun/: three levels deep, and
+    a sweep's jobs nested by a path in their overrides: exp.run.dirs.runs_under), and exp.bench's results."""
     records: list[StepRecord] = []
     seen: set[Path] = set()
     for folder in folders:
         if not folder.is_dir():
             continue
-        for depth in range(4):
-            for summary in folder.glob("/".join(["*"] * depth + ["summary.json"])):
-                run = summary.parent.resolve()
-                if run not in seen and (record := run_record(run)) is not None:
-                    seen.add(run)
-                    records.append(record)
+        runs = [s.parent for depth in range(4) for s in folder.glob("/".join(["*"] * depth + ["summary.json"]))]
+        for depth in range(3):  # the folder as a sweep, a date of multirun/, a sweep of multirun/
+            for parent in folder.glob("/".join(["*"] * depth)) if depth else [folder]:
+                runs += [r for r in runs_under(parent) if (r / "summary.json").exists()] if parent.is_dir() else []
+        for run in (r.resolve() for r in runs):
+            if run not in seen and (record := run_record(run)) is not None:
+                seen.add(run)
+                records.append(record)
     return records + bench_records()
