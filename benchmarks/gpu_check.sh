@@ -71,8 +71,9 @@
 #                ($PREF_REFERENCE: an earlier result JSON of the same settings and card, whose baseline row stands in
 #                for running the loop again)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
-#   dpostart     DPO's first two steps on the Gemma-2B shape and dpo7b's pairs, exp with compiled and with eager
-#                layers: both first losses must be exactly ln 2 (the reference runs the policy's compiled graph)
+#   dpostart     DPO's first two steps on the Gemma-2B shape ($DPOSTART_MODEL) and dpo7b's pairs, exp with compiled
+#                and with eager layers (DPOSTART_EAGER= leaves the eager one out): every first loss must be exactly
+#                ln 2 (the reference runs the policy's compiled graph)
 #   dpo7bfloor   dpo7b's pairs, $PREF_FLOOR_STEPS (12) steps: the hand-written loop, a second loop of the same math
 #                and other numerics (`baseline prepare=false`: bf16 norms and embedding as exp's), then exp: how far
 #                per-step DPO losses drift from rounding alone on the random-weight model, the floor for exp's.
@@ -323,14 +324,14 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
         ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
     dpostart)
       # The stage fails unless every variant's first loss is ln 2 to float32's last bit (1e-8; one step is 6e-8).
-      stage dpostart 300 bash -c '"${@:2}" && python3 -c "
-import glob, json, math, sys
-rows = json.load(open(max(glob.glob(sys.argv[1] + \"/bench-gemma_2b-dpo-*.json\"))))[\"rows\"]
+      stage dpostart 420 bash -c '"${@:2}" && python3 -c "
+import glob, json, math, os, sys
+rows = json.load(open(max(glob.glob(sys.argv[1] + \"/bench-*-dpo-*.json\"), key=os.path.getmtime)))[\"rows\"]
 first = {r[\"variant\"]: (r.get(\"losses\") or [None])[0] for r in rows}
 print(\"dpostart: first losses\", first)
 sys.exit(any(v is None or abs(v - math.log(2)) > 1e-8 for v in first.values()))
-" "$1"' _ "$WORK/bench" "${BENCH[@]}" model=gemma_2b objective=dpo data="$ALPACA" seq=1024 micro_batch=8 lr=$PREF_LR \
-        steps=2 warmup=1 variant=exp "variant=exp hardware.compile=false" ;;
+" "$1"' _ "$WORK/bench" "${BENCH[@]}" model=${DPOSTART_MODEL:-gemma_2b} objective=dpo data="$ALPACA" seq=1024 \
+        micro_batch=8 lr=$PREF_LR steps=2 warmup=1 variant=exp ${DPOSTART_EAGER-"variant=exp hardware.compile=false"} ;;
     dpo7bfloor)
       stage dpo7bfloor 580 "${BENCH[@]}" objective=dpo data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         lr=$PREF_LR steps=${PREF_FLOOR_STEPS:-12} warmup=3 memory_budget=baseline variant=baseline \
