@@ -333,15 +333,7 @@ def test_a_compiled_gpu_twin_dpo_run_starts_at_ln2(tmp_path):
 def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
     """On the GPU: cuBLAS picks its kernel by the product's shape, and the layers run compiled: the reference pass
     must still compute the policy's numbers."""
-    cfg = compose_typed([*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4",
-                         "hardware.fuse_lora=true", "lora.dropout=0", "hardware.compile=true"])  # fmt: skip
-    model = build_model(cfg, "cuda")  # hardware.compile=true: every decoder layer compiled
-    batch = _batch(cfg, pairs=8)
-    for _ in range(2):  # the first call compiles
-        model.zero_grad(set_to_none=True)
-        loss, sums = _step(model, batch, cfg, impl, "cuda")
-        assert loss.item() == LN2
-        assert sums["rewards_chosen"].item() == 0.0 and sums["rewards_rejected"].item() == 0.0
+    _assert_gpu_start_at_ln2(compose_typed(GPU_COMPILED), impl)
 
 
 @pytest.mark.gpu
@@ -349,13 +341,21 @@ def test_fresh_adapters_start_dpo_at_ln2_on_the_gpu_compiled(impl):
 def test_a_starting_adapter_starts_dpo_at_ln2_on_the_gpu_compiled(start_adapter, impl):
     """`objective.reference=start` on the GPU, every layer compiled, kept and fused: the policy at step 0 is the
     starting adapter, so its first loss is exactly ln 2 only if the reference pass computes the policy's numbers."""
-    cfg = compose_typed([*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4",
-                         "hardware.fuse_lora=true", "lora.dropout=0", "hardware.compile=true",
-                         f"model.adapter={start_adapter}"])  # fmt: skip
+    cfg = compose_typed([*GPU_COMPILED, f"model.adapter={start_adapter}"])
     assert cfg.reference == "start"
-    model = build_model(cfg, "cuda")
+    _assert_gpu_start_at_ln2(cfg, impl)
+
+
+# The GPU configuration with every layer compiled, kept and fused, without dropout.
+GPU_COMPILED = [*TWIN[:2], "hardware.precision=bf16-mixed", "hardware.dequantized_layers=4", "hardware.fuse_lora=true",
+                "lora.dropout=0", "hardware.compile=true"]  # fmt: skip
+
+
+def _assert_gpu_start_at_ln2(cfg, impl: LossImpl) -> None:
+    """Two DPO steps at the policy's start on the GPU (the first call compiles): each loss exactly ln 2, each reward 0."""
+    model = build_model(cfg, "cuda")  # hardware.compile=true: every decoder layer compiled
     batch = _batch(cfg, pairs=8)
-    for _ in range(2):  # the first call compiles
+    for _ in range(2):
         model.zero_grad(set_to_none=True)
         loss, sums = _step(model, batch, cfg, impl, "cuda")
         assert loss.item() == LN2
