@@ -114,6 +114,21 @@ def test_the_preflight_keeps_pairs_padding_free_on_the_gpu_and_sizes_micro_batch
     assert any(n.startswith("hardware.auto_micro_batch: micro-batch ") for n in result.notes), result.notes
 
 
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "orpo", "simpo"])
+def test_fuse_lora_auto_adds_lora_after_the_base_product_for_objectives_with_a_reference(objective):
+    """hardware=gpu's hardware.fuse_lora=auto is on where no reference pass compares with the policy, and off, with
+    a note, for DPO and KTO; an explicit true is kept."""
+    cfg = compose_typed([f"objective={objective}", "hardware=gpu", "model=gemma_2b", "data.max_seq_len=512"])
+    assert cfg.hardware.fuse_lora == "auto"
+    result = check(cfg, _h200())
+    with_reference = objective in ("dpo", "kto")
+    assert result.cfg.hardware.fuse_lora is not with_reference
+    noted = [n for n in result.notes if "hardware.fuse_lora=auto -> false" in n]
+    assert len(noted) == with_reference, result.notes
+    explicit = compose_typed([f"objective={objective}", "hardware=gpu", "model=gemma_2b", "hardware.fuse_lora=true"])
+    assert check(explicit, _h200()).cfg.hardware.fuse_lora is True
+
+
 def test_eager_attention_keeps_padded_pairs_with_a_note():
     cfg = compose_typed(["objective=dpo", "hardware=gpu", "model=gemma2_2b", "data.max_seq_len=512"])
     result = check(cfg, _h200())

@@ -75,7 +75,7 @@ class Accelerator(str, Enum):
 # dashes). Only modes that leave the 4-bit weights alone: a "*-true" low precision would cast the quantized modules.
 # "auto": bf16-mixed on GPUs that support it (compute capability >= 8.0), 32-true on the CPU (preflight decides).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "auto")
-# hardware.compile: a bool, or "auto" (the preflight decides).
+# hardware.compile and hardware.fuse_lora: a bool, or "auto" (the preflight decides).
 COMPILE_CHOICES = (True, False, "auto")
 
 
@@ -287,8 +287,9 @@ class HardwareConfig:
     # In the layers with kept dequantized weights: LoRA's B product joins the base product (one GEMM over [W | B]
     # instead of two products and an addition over the output; exp.model.dequantized). For the projections whose output is
     # at least as wide as their input (q, k, v, gate, up); the others, and everything else, run as PEFT runs them.
-    # Same sum, other rounding order.
-    fuse_lora: bool = False
+    # Same sum, other rounding order. true | false | auto (resolved by the preflight: on, except for an objective with
+    # a reference (DPO, KTO), whose loss needs the policy and the reference rounded alike). Typed Any as `compile`.
+    fuse_lora: Any = False
     # Send the tensors the backward needs from outside the recomputed layers (each checkpointed layer's input, the
     # final norm's and the loss's) to pinned host memory in the forward, and back one by one in the backward. For
     # micro-batches whose checkpointed inputs alone would fill the GPU; the copies cost time (host link bandwidth).
@@ -653,6 +654,11 @@ def _validate(cfg: TrainConfig) -> list[str]:
         )
     if hw.compile not in COMPILE_CHOICES:
         p.append(f"hardware.compile={hw.compile}: allowed values are true, false and auto (on for a CUDA GPU)")
+    if hw.fuse_lora not in COMPILE_CHOICES:
+        p.append(
+            f"hardware.fuse_lora={hw.fuse_lora}: allowed values are true, false and auto (on, except for objectives "
+            "with a reference: dpo, kto)"
+        )
     if hw.memory_budget_gib is not None and not (hw.memory_budget_gib > 0 and math.isfinite(hw.memory_budget_gib)):
         p.append(
             f"hardware.memory_budget_gib={hw.memory_budget_gib}: GiB of GPU memory per device, a positive number "

@@ -465,6 +465,7 @@ def check(cfg: TrainConfig, env: Environment, memory_check: bool = True) -> Pref
     # whether scores are held per token pair.
     _resolve_preference_batches(cfg, notes)
     _resolve_compile(cfg, env, on_gpu, notes)
+    _resolve_fuse_lora(cfg, notes)
     _resolve_padding_free_attention(cfg, env, on_gpu, notes)
     if on_gpu and env.gpus and not findings:
         _resolve_strategy_and_precision(cfg, env, findings, notes, memory_check)
@@ -570,6 +571,26 @@ def _resolve_compile(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: li
     if hw.compile is True and on_gpu and env.gpus and (problem := compile_problem(env)):
         hw.compile = False
         notes.append(f"hardware.compile={wanted}: {problem}; the decoder layers run eagerly (slower, more memory)")
+
+
+def _resolve_fuse_lora(cfg: TrainConfig, notes: list[str]) -> None:
+    """hardware.fuse_lora: "auto" is on, except for an objective with a reference (DPO, KTO). That loss rests on the
+    difference between the policy's log-probabilities and the reference's, which the two passes must round alike.
+    PEFT's path rounds the base product alone, then adds the LoRA term: an output element whose LoRA term is below
+    half a unit in the last place (ulp) of the base's stays the reference's exactly. The fused product rounds base
+    and LoRA term together, so wherever the base's exact value lies near a rounding boundary the element moves by a
+    whole ulp: the policy-reference difference of an output is off by about sqrt(ulp x |term|), far more than the
+    term itself while the adapters are small (docs/objectives.md measures both). An explicit true is kept."""
+    hw = cfg.hardware
+    if hw.fuse_lora != "auto":
+        return
+    hw.fuse_lora = not cfg.objective.uses_reference
+    if not hw.fuse_lora and (hw.dequantized_layers or hw.auto_dequantized_layers):  # where it would have acted
+        notes.append(
+            f"objective={cfg.objective.kind.value}: hardware.fuse_lora=auto -> false. The loss compares the policy "
+            "with its reference, and LoRA's B inside the base product would round the two passes apart by more than "
+            "the adapters move them (docs/objectives.md); the LoRA product is added after the base product"
+        )
 
 
 def _resolve_padding_free_attention(cfg: TrainConfig, env: Environment, on_gpu: bool, notes: list[str]) -> None:

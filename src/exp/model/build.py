@@ -301,7 +301,7 @@ def build_model(
 
         kept = keep_dequantized(
             decoder_layers(model)[: cfg.hardware.dequantized_layers],
-            fuse_lora=cfg.hardware.fuse_lora,
+            fuse_lora=cfg.hardware.fuse_lora is True,  # "auto" is resolved by the preflight
             reference=REFERENCE_ADAPTER,
         )
         log.info("kept dequantized weights: %d decoder layers, %.2f GiB", cfg.hardware.dequantized_layers, kept / 2**30)
