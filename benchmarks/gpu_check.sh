@@ -69,7 +69,8 @@
 #                pairs a step, 30 steps: the hand-written HF + PEFT + bitsandbytes DPO loop (reference: adapter off),
 #                then exp within its peak (liger's chunked DPO loss); learning rate $PREF_LR (5e-6)
 #                ($PREF_REFERENCE: an earlier result JSON of the same settings and card, whose baseline row stands in
-#                for running the loop again)
+#                for running the loop again; benchmarks/results/h100_20261207f holds the H100 loop's rows at lr 5e-6
+#                and 5e-7). PREF_FUSED=1 adds exp with hardware.fuse_lora=true (which `auto` leaves off for DPO)
 #   orpo7b       the same for ORPO, $ORPO_STEPS (30) steps
 #   dpostart     DPO's first two steps on the Gemma-2B shape ($DPOSTART_MODEL) and dpo7b's pairs, exp with compiled
 #                and with eager layers (DPOSTART_EAGER= leaves the eager one out): every first loss must be exactly
@@ -321,7 +322,7 @@ sys.exit(not rows or any(r['status'] != 'ok' for r in rows))" "$part"; then
       objective=${1%7b}; steps=30; [ "$objective" = orpo ] && steps=${ORPO_STEPS:-30}
       stage "$1" 580 "${BENCH[@]}" objective="$objective" data="$ALPACA" seq=1024 micro_batch=${PREF_MICRO_BATCH:-8} \
         lr=$PREF_LR steps=$steps warmup=3 memory_budget=baseline variant=baseline variant=exp \
-        ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
+        ${PREF_FUSED:+"variant=exp hardware.fuse_lora=true"} ${PREF_REFERENCE:+reference=$PREF_REFERENCE} ;;
     dpostart)
       # The stage fails unless every variant's first loss is ln 2 to float32's last bit (1e-8; one step is 6e-8).
       stage dpostart 420 bash -c '"${@:2}" && python3 -c "
