@@ -89,6 +89,8 @@ REFUSED = [
     ("model.attn_implementation=flash_attention_3", "allowed values are sdpa, eager, flash_attention_2", None),
     ("model.attn_implementation=flash_attention_2", "flash_attention_2 on the CPU: FlashAttention is a CUDA", None),
     ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=-1: must be >= 0", None),
+    ("hardware.micro_batch_size=0", "hardware.micro_batch_size=0: must be >= 1", None),
+    ("trainer.global_batch_size=0", "trainer.global_batch_size=0: must be >= 1", None),
 ]
 
 
@@ -98,6 +100,7 @@ def test_the_schema_refuses_what_a_library_would_crash_on(override: str, message
         compose_typed([override, "logger=wandb"])
     text = str(info.value)
     assert message in text, text
+    assert text.count("\n  - ") == 1, text  # one value wrong, one finding: none derived from it
     assert any(fix in text for fix in ("e.g.", "or null", "characters", "drop it"))  # a fix, or what is allowed
     if library is not None:  # the check exists because the library fails on the value, later and with a traceback
         with pytest.raises((ValueError, RuntimeError, TypeError, Exception)):

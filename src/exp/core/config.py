@@ -645,7 +645,10 @@ def _validate(cfg: TrainConfig) -> list[str]:
     if hw.accelerator == Accelerator.cpu and traits is not None and not traits.runs_on_cpu:
         p.append(f"hardware.strategy={hw.strategy.value} needs GPUs; on the CPU use single_device or ddp")
     if hw.micro_batch_size < 1:
-        p.append(f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1")
+        p.append(
+            f"hardware.micro_batch_size={hw.micro_batch_size}: must be >= 1 (the examples of one forward pass per "
+            "process), e.g. hardware.micro_batch_size=4"
+        )
     if hw.micro_batch_tokens is not None and hw.micro_batch_tokens < d.max_seq_len:
         p.append(
             f"hardware.micro_batch_tokens={hw.micro_batch_tokens} is below data.max_seq_len={d.max_seq_len}: a "
@@ -995,9 +998,16 @@ def batch_problems(hw: HardwareConfig, t: TrainerConfig) -> list[str]:
     """Accumulation is derived from the global batch; unknown until `devices=-1` is resolved by the preflight."""
     if hw.devices == -1 and ((traits := _resolved_traits(hw)) is None or traits.data_parallel):
         return []
+    if hw.micro_batch_size < 1:
+        return []  # the micro-batch's own check names it; no global batch would be a multiple of it
     replicas = data_parallel_size(hw)
     per_step = hw.micro_batch_size * replicas
-    if t.global_batch_size >= 1 and hw.micro_batch_size >= 1 and t.global_batch_size % max(per_step, 1) == 0:
+    if t.global_batch_size < 1:
+        return [
+            f"trainer.global_batch_size={t.global_batch_size}: must be >= 1 (the examples of one optimizer step), "
+            f"e.g. trainer.global_batch_size={per_step}"
+        ]
+    if t.global_batch_size % per_step == 0:
         return []
     if 1 <= t.global_batch_size < per_step:
         fits = [m for m in range(t.global_batch_size // replicas, 0, -1) if t.global_batch_size % (m * replicas) == 0]
