@@ -423,8 +423,11 @@ def test_checkpointing_choices_may_differ_on_resume_but_the_math_may_not():
     # not hide the run from trainer.resume=auto (the gradients do not depend on it, tests/test_training.py).
     from exp.run.resume import config_differences
 
-    recorded = {"hardware": {"gradient_checkpointing": True, "checkpoint_layers": 7, "micro_batch_size": 8}}
-    moved = {"hardware": {"gradient_checkpointing": False, "checkpoint_layers": None, "micro_batch_size": 8}}
+    # Where LoRA's B joins the base product follows the kept layers and the objective (hardware.fuse_lora=auto).
+    recorded = {"hardware": {"gradient_checkpointing": True, "checkpoint_layers": 7, "micro_batch_size": 8,
+                             "dequantized_layers": 10, "fuse_lora": True}}  # fmt: skip
+    moved = {"hardware": {"gradient_checkpointing": False, "checkpoint_layers": None, "micro_batch_size": 8,
+                          "dequantized_layers": 4, "fuse_lora": False}}  # fmt: skip
     assert config_differences(recorded, moved) == []
     assert config_differences(recorded, {"hardware": {**moved["hardware"], "micro_batch_size": 4}}) == [
         "hardware.micro_batch_size: 8 -> 4"

@@ -54,6 +54,8 @@ MAY_DIFFER = (
     "hardware.dequantized_layers",
     "hardware.auto_dequantized_layers",
     "hardware.offload_checkpoints",
+    # The same sum in another rounding order; which layers it acts in already follows the kept layers above.
+    "hardware.fuse_lora",
     "logger",
     "verbose",
 )
